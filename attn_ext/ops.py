@@ -1,0 +1,181 @@
+"""attn_ext's operators: fake kernels, autograd, and the functional API.
+
+The kernels are C++ (csrc/cpu) and CUDA (csrc/cuda), registered as
+``torch.ops.attn_ext.attention_forward`` and ``torch.ops.attn_ext.attention_backward``.
+This module gives them fake (meta) kernels, so that they trace under
+``torch.compile`` and ``torch.export``, and an autograd formula.
+"""
+
+import math
+
+import torch
+
+from . import _build  # noqa: F401  (loads the operators)
+from .masks import sdpa_mask
+
+__all__ = ["scaled_dot_product_attention"]
+
+_CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def _lse_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# --- attention_forward -------------------------------------------------------
+
+
+@torch.library.register_fake("attn_ext::attention_forward")
+def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed):
+    B, Hq, L, _ = query.shape
+    out = query.new_empty((B, Hq, L, value.shape[-1]))
+    lse = query.new_empty((B, Hq, L), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+def _attention_forward_setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, dropout_seed)
+    ctx.attrs = (dropout_p, is_causal, causal_offset, scale)
+
+
+def _attention_forward_backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
+    dropout_p, is_causal, causal_offset, scale = ctx.attrs
+    grad_mask_needed = attn_mask is not None and ctx.needs_input_grad[3]
+    grad_query, grad_key, grad_value, grad_mask = torch.ops.attn_ext.attention_backward(
+        grad_out, grad_lse, query, key, value, out, lse, attn_mask,
+        dropout_p, is_causal, causal_offset, scale, dropout_seed, grad_mask_needed,
+    )
+    return grad_query, grad_key, grad_value, grad_mask if grad_mask_needed else None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "attn_ext::attention_forward", _attention_forward_backward, setup_context=_attention_forward_setup_context
+)
+
+
+# --- attention_backward ------------------------------------------------------
+
+
+@torch.library.register_fake("attn_ext::attention_backward")
+def _attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
+                             causal_offset, scale, dropout_seed, compute_grad_mask):
+    grad_mask = attn_mask.new_empty(attn_mask.shape) if compute_grad_mask else query.new_empty((0,))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_mask
+
+
+# --- functional API ----------------------------------------------------------
+
+
+def _split_batch(t, name, has_head_dim):
+    """(N, ..., H, X, D) -> (B, H, X, D) and the batch shape; (N, X, D) -> (N, 1, X, D)."""
+    if not has_head_dim:
+        return t.unsqueeze(1), tuple(t.shape[:1])
+    batch = tuple(t.shape[:-3])
+    return (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:])), batch
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False, *, causal_alignment="top_left", return_lse=False):
+    r"""Scaled dot-product attention computed by attn_ext's fused kernels.
+
+    Same signature and meaning as :func:`torch.nn.functional.scaled_dot_product_attention`:
+    ``softmax(query @ key.T * scale + mask) @ value`` with optional dropout on the
+    probabilities. Differences from PyTorch:
+
+    * ``is_causal`` may be combined with ``attn_mask`` (both apply).
+    * ``causal_alignment="bottom_right"`` aligns the causal diagonal to the end
+      of the keys (FlashAttention's convention, for queries that continue a
+      longer key sequence); the default ``"top_left"`` is PyTorch's.
+    * A query row whose keys are all masked gives 0 (PyTorch gives NaN) and
+      zero gradients.
+    * A float ``attn_mask`` that requires grad gets its gradient.
+    * ``return_lse=True`` also returns the log-sum-exp of each row.
+    * Dropout uses a Philox counter-based generator seeded from torch's
+      generator for the device: ``torch.manual_seed`` reproduces a call.
+
+    Args:
+        query: (N, ..., Hq, L, E) or (N, L, E), float16 / bfloat16 / float32 / float64, any strides.
+        key: (N, ..., Hkv, S, E) or (N, S, E).
+        value: (N, ..., Hkv, S, Ev) or (N, S, Ev).
+        attn_mask: bool (True = may attend) or additive float of the query's
+            dtype, broadcastable to (N, ..., Hq, L, S) (to (N, L, S) for 3-D inputs).
+        dropout_p: probability of dropping an attention probability, in [0, 1).
+        is_causal: mask out keys after the query's position.
+        scale: multiplies the scores; default 1 / sqrt(E).
+        enable_gqa: allow Hkv < Hq (grouped-query attention, Hq a multiple of
+            Hkv); query head h uses key/value head h // (Hq // Hkv). K and V are not copied.
+        causal_alignment: "top_left" (key j visible from query i iff j <= i) or
+            "bottom_right" (iff j <= i + S - L).
+        return_lse: also return the log-sum-exp of the masked, scaled scores.
+
+    Shape:
+        out: (N, ..., Hq, L, Ev) in the query's dtype.
+        lse: (N, ..., Hq, L), float32 (float64 for float64 inputs); -inf for fully masked rows.
+
+    Returns:
+        ``out``, or ``(out, lse)`` when ``return_lse``.
+
+    Example::
+
+        >>> q, k, v = (torch.randn(2, 8, 128, 64, requires_grad=True) for _ in range(3))
+        >>> out = attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
+        >>> out.sum().backward()
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if query.dim() < 3:
+        raise ValueError(f"query must have at least 3 dims (N, ..., L, E), got shape {tuple(query.shape)}")
+    for name, t in (("key", key), ("value", value)):
+        if t.dim() != query.dim():
+            raise ValueError(
+                f"{name} must have as many dims as query ({query.dim()}), got {name} shape {tuple(t.shape)} "
+                f"for query shape {tuple(query.shape)}"
+            )
+    if causal_alignment not in _CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {_CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
+    has_head_dim = query.dim() >= 4
+    if has_head_dim:
+        qb, kb, vb = query.shape[:-3], key.shape[:-3], value.shape[:-3]
+        if not (qb == kb == vb):
+            raise ValueError(
+                f"query, key and value must have the same batch dims, got query {tuple(query.shape)}, "
+                f"key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        Hq, Hkv = query.shape[-3], key.shape[-3]
+        if enable_gqa:
+            if Hkv == 0 or Hq % Hkv != 0:
+                raise ValueError(
+                    f"enable_gqa needs query heads ({Hq}) to be a multiple of key/value heads ({Hkv}), "
+                    f"got query {tuple(query.shape)} and key {tuple(key.shape)}"
+                )
+        elif Hq != Hkv:
+            raise ValueError(
+                f"query has {Hq} heads but key has {Hkv}: pass enable_gqa=True for grouped-query attention "
+                f"(query {tuple(query.shape)}, key {tuple(key.shape)})"
+            )
+
+    q4, batch_shape = _split_batch(query, "query", has_head_dim)
+    k4, _ = _split_batch(key, "key", has_head_dim)
+    v4, _ = _split_batch(value, "value", has_head_dim)
+    L, E, S = q4.shape[-2], q4.shape[-1], k4.shape[-2]
+    mask4 = sdpa_mask(attn_mask, batch_shape, q4.shape[1], L, S, has_head_dim)
+    if scale is None:
+        scale = 1.0 / math.sqrt(E) if E > 0 else 1.0
+    causal_offset = S - L if causal_alignment == "bottom_right" else 0
+    dropout_seed = None
+    if dropout_p > 0:
+        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+
+    out, lse = torch.ops.attn_ext.attention_forward(
+        q4, k4, v4, mask4, float(dropout_p), bool(is_causal), causal_offset, float(scale), dropout_seed
+    )
+    if has_head_dim:
+        out = out.reshape(*query.shape[:-1], value.shape[-1])
+        lse = lse.reshape(query.shape[:-1])
+    else:
+        out, lse = out.squeeze(1), lse.squeeze(1)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,162 @@
+// attn_ext: operator schemas and the input validation every device shares.
+#include "ops.h"
+
+#include <cmath>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "cpu/kernels.h"
+
+#ifndef ATTN_EXT_BUILD_INFO
+#define ATTN_EXT_BUILD_INFO "unknown"
+#endif
+
+namespace attn_ext {
+
+std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t d = 0; d < sizes.size(); ++d) os << (d ? ", " : "") << sizes[d];
+  os << (sizes.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+namespace {
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::Float16;
+    case at::kBFloat16: return DType::BFloat16;
+    case at::kFloat: return DType::Float32;
+    case at::kDouble: return DType::Float64;
+    default:
+      TORCH_CHECK(false, "attn_ext: query must be float16, bfloat16, float32 or float64, got ", t);
+  }
+}
+
+void copy_strides(int64_t (&dst)[4], const at::Tensor& t) {
+  for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
+}
+
+void check_4d(const at::Tensor& t, const char* name, const char* dims) {
+  TORCH_CHECK(t.dim() == 4, "attn_ext: ", name, " must be 4-D ", dims, ", got shape ", shape_str(t.sizes()));
+}
+
+}  // namespace
+
+AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                       int64_t causal_offset, double scale, const std::optional<at::Tensor>& dropout_seed) {
+  check_4d(query, "query", "(B, Hq, L, E)");
+  check_4d(key, "key", "(B, Hkv, S, E)");
+  check_4d(value, "value", "(B, Hkv, S, Ev)");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "attn_ext: query, key and value must have the same dtype, got query ", query.scalar_type(),
+              ", key ", key.scalar_type(), ", value ", value.scalar_type());
+  TORCH_CHECK(key.device() == query.device() && value.device() == query.device(),
+              "attn_ext: query, key and value must be on the same device, got query ", query.device(),
+              ", key ", key.device(), ", value ", value.device());
+  const int64_t B = query.size(0), Hq = query.size(1), L = query.size(2), E = query.size(3);
+  const int64_t Hkv = key.size(1), S = key.size(2), Ev = value.size(3);
+  TORCH_CHECK(key.size(0) == B && value.size(0) == B,
+              "attn_ext: query, key and value must have the same batch size, got query ",
+              shape_str(query.sizes()), ", key ", shape_str(key.sizes()), ", value ", shape_str(value.sizes()));
+  TORCH_CHECK(key.size(3) == E, "attn_ext: key's head dim must equal query's (", E, "), got key ",
+              shape_str(key.sizes()), " for query ", shape_str(query.sizes()));
+  TORCH_CHECK(value.size(1) == Hkv && value.size(2) == S,
+              "attn_ext: value must have key's heads and length (", Hkv, ", ", S, "), got value ",
+              shape_str(value.sizes()), " for key ", shape_str(key.sizes()));
+  TORCH_CHECK((Hkv == 0 && Hq == 0) || (Hkv > 0 && Hq % Hkv == 0),
+              "attn_ext: the number of query heads must be a multiple of the number of key/value heads, "
+              "got query ", shape_str(query.sizes()), " (", Hq, " heads) and key ", shape_str(key.sizes()),
+              " (", Hkv, " heads)");
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, "attn_ext: dropout_p must be in [0, 1), got ", dropout_p);
+  TORCH_CHECK_VALUE(std::isfinite(scale), "attn_ext: scale must be finite, got ", scale);
+
+  AttnParams p;
+  p.B = B, p.Hq = Hq, p.Hkv = Hkv, p.L = L, p.S = S, p.E = E, p.Ev = Ev;
+  p.dtype = to_dtype(query.scalar_type());
+  p.q = query.data_ptr();
+  p.k = key.data_ptr();
+  p.v = value.data_ptr();
+  copy_strides(p.q_stride, query);
+  copy_strides(p.k_stride, key);
+  copy_strides(p.v_stride, value);
+  p.causal = is_causal;
+  p.causal_offset = causal_offset;
+  p.scale = scale;
+  p.dropout_p = dropout_p;
+
+  if (attn_mask.has_value()) {
+    const at::Tensor& mask = *attn_mask;
+    TORCH_CHECK(mask.device() == query.device(), "attn_ext: attn_mask must be on query's device ",
+                query.device(), ", got ", mask.device());
+    TORCH_CHECK(mask.scalar_type() == at::kBool || mask.scalar_type() == query.scalar_type(),
+                "attn_ext: attn_mask must be bool or have query's dtype (", query.scalar_type(), "), got ",
+                mask.scalar_type());
+    const int64_t target[4] = {B, Hq, L, S};
+    bool ok = mask.dim() <= 4;
+    for (int64_t d = 0; ok && d < mask.dim(); ++d) {
+      const int64_t size = mask.size(mask.dim() - 1 - d);
+      ok = size == 1 || size == target[3 - d];
+    }
+    TORCH_CHECK(ok, "attn_ext: attn_mask must broadcast to ", shape_str(target), ", got ",
+                shape_str(mask.sizes()));
+    p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::Bool : MaskKind::Additive;
+    p.mask = mask.data_ptr();
+    copy_strides(p.mask_stride, expand_mask(mask, p));
+  }
+
+  if (dropout_p > 0.0) {
+    TORCH_CHECK(dropout_seed.has_value(), "attn_ext: dropout_p = ", dropout_p, " needs a dropout_seed tensor");
+    const at::Tensor& seed = *dropout_seed;
+    TORCH_CHECK(seed.scalar_type() == at::kLong && seed.numel() == 1,
+                "attn_ext: dropout_seed must be an int64 tensor with one element, got ", seed.scalar_type(),
+                " of shape ", shape_str(seed.sizes()));
+    TORCH_CHECK(seed.device() == query.device(), "attn_ext: dropout_seed must be on query's device ",
+                query.device(), ", got ", seed.device());
+  }
+  return p;
+}
+
+at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& p) {
+  at::Tensor m = attn_mask;
+  while (m.dim() < 4) m = m.unsqueeze(0);
+  return m.expand({p.B, p.Hq, p.L, p.S});
+}
+
+namespace {
+std::string build_info() {
+  std::ostringstream os;
+  os << ATTN_EXT_BUILD_INFO << ";cpu_isas=" << cpu::compiled_isas() << ";cpu_isa_active=" << cpu::active_isa();
+  return os.str();
+}
+}  // namespace
+
+TORCH_LIBRARY(attn_ext, m) {
+  // query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev), any strides.
+  // Returns out (B, Hq, L, Ev) and the log-sum-exp of each row (B, Hq, L) in
+  // float32 (float64 for float64 inputs). Key j is visible from row i iff
+  // j <= i + causal_offset when is_causal.
+  m.def(
+      "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+      "bool is_causal, int causal_offset, float scale, Tensor? dropout_seed) -> (Tensor out, Tensor lse)");
+  // Gradients of attention_forward's inputs; grad_mask is (0,) unless
+  // compute_grad_mask, then it has attn_mask's shape.
+  m.def(
+      "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
+      "Tensor out, Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, int causal_offset, "
+      "float scale, Tensor? dropout_seed, bool compute_grad_mask) -> (Tensor grad_query, Tensor grad_key, "
+      "Tensor grad_value, Tensor grad_mask)");
+  // What this library was built against and which kernels it holds:
+  // "key=value;key=value".
+  m.def("build_info() -> str", &build_info);
+}
+
+}  // namespace attn_ext

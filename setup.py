@@ -1,0 +1,139 @@
+"""Build attn_ext's compiled library, attn_ext._C.
+
+CPU sources are always built. The CUDA sources are added when torch is a CUDA
+build, nvcc is found and csrc/cuda/ holds kernels.
+
+Environment switches:
+  ATTN_EXT_CPU_ONLY=1     build the CPU kernels only (fast iteration)
+  TORCH_CUDA_ARCH_LIST    CUDA archs to build for (default "8.0;9.0")
+  MAX_JOBS                parallel compile jobs (honoured by torch's ninja build)
+  CUDA_HOME               the CUDA toolkit; found from nvcc itself when unset
+"""
+
+import glob
+import os
+import platform
+import re
+import shutil
+import subprocess
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _nvcc_toolkit():
+    """The toolkit folder nvcc really uses (nvcc may be a wrapper script)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    try:
+        dry = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-c", os.devnull], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"^#\$ TOP=(.*)$", dry.stdout + dry.stderr, re.M)
+    return os.path.realpath(m.group(1).strip()) if m else os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+CPU_ONLY = os.environ.get("ATTN_EXT_CPU_ONLY", "0") not in ("", "0")
+if not CPU_ONLY and "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ:
+    toolkit = _nvcc_toolkit()
+    if toolkit:
+        os.environ["CUDA_HOME"] = toolkit  # torch reads it when cpp_extension is imported
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+# Per instruction set compiler flags for the kernel files named *_<isa>.cpp.
+ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"]} if X86 else {}
+
+cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+cpu_sources = [s for s in cpu_sources if X86 or not s.endswith("_avx2.cpp")]
+cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
+with_cuda = (
+    not CPU_ONLY
+    and torch.version.cuda is not None
+    and cpp_extension.CUDA_HOME is not None
+    and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
+    and bool(cuda_sources)
+)
+arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0") if with_cuda else ""
+if with_cuda:
+    os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
+
+build_info = ";".join(
+    [
+        f"version={VERSION}",
+        f"torch={torch.__version__}",
+        f"cuda={torch.version.cuda if with_cuda else 'none'}",
+        f"cuda_archs={arch_list or 'none'}",
+    ]
+)
+# The Python side reads what the build was made for without loading the library.
+with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
+    f.write(f'"""Written by setup.py: what attn_ext._C was built against."""\nBUILD_INFO = "{build_info}"\n')
+
+cxx_flags = ["-O3", "-fvisibility=hidden", f'-DATTN_EXT_BUILD_INFO="{build_info}"']
+if ISA_FLAGS:
+    cxx_flags.append("-DATTN_EXT_HAVE_AVX2")
+extra_compile_args = {"cxx": cxx_flags}
+include_dirs = [os.path.join(ROOT, "csrc")]
+define_macros = []
+
+if with_cuda:
+    extra_compile_args["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
+    define_macros.append(("ATTN_EXT_WITH_CUDA", None))
+    # torch's CUDA headers include cuBLAS/cuSPARSE headers that a bare toolkit may lack:
+    # the pip package `nvidia` (installed with torch's CUDA build) carries them.
+    for sp in {os.path.dirname(os.path.dirname(torch.__file__))}:
+        for inc in glob.glob(os.path.join(sp, "nvidia", "cu*", "include")):
+            include_dirs.append(inc)
+    ext = CUDAExtension(
+        "attn_ext._C", cpu_sources + cuda_sources, include_dirs=include_dirs, define_macros=define_macros,
+        extra_compile_args=extra_compile_args,
+    )
+else:
+    ext = CppExtension(
+        "attn_ext._C", cpu_sources, include_dirs=include_dirs, define_macros=define_macros,
+        extra_compile_args=extra_compile_args,
+    )
+
+
+class BuildExtensionPerIsa(BuildExtension):
+    """torch's BuildExtension, plus per-file flags for the *_<isa>.cpp kernel files.
+
+    The same kernel source is compiled once per instruction set and the library
+    picks one at run time, so no -march=native is needed in a distributable build.
+    """
+
+    def build_extension(self, ext):
+        compile_all = self.compiler.compile
+
+        def compile_by_isa(sources, *args, extra_postargs=None, **kwargs):
+            objects = []
+            plain = [s for s in sources if not any(s.endswith(f"_{isa}.cpp") for isa in ISA_FLAGS)]
+            if plain:
+                objects += compile_all(plain, *args, extra_postargs=extra_postargs, **kwargs)
+            for isa, flags in ISA_FLAGS.items():
+                group = [s for s in sources if s.endswith(f"_{isa}.cpp")]
+                if not group:
+                    continue
+                post = dict(extra_postargs) if isinstance(extra_postargs, dict) else {"cxx": list(extra_postargs or [])}
+                post["cxx"] = list(post.get("cxx", [])) + flags
+                objects += compile_all(group, *args, extra_postargs=post, **kwargs)
+            return objects
+
+        self.compiler.compile = compile_by_isa
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_all
+
+
+setup(
+    ext_modules=[ext],
+    cmdclass={"build_ext": BuildExtensionPerIsa},
+)

@@ -1,0 +1,134 @@
+"""``python -m attn_ext info | check``.
+
+info   what this build holds (torch/CUDA it was built against, kernels compiled) and what runs here
+check  gradcheck in float64 and the comparison with the float64 reference over a
+       representative set of configurations; a pass/fail table, exit 1 on a failure
+"""
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def _info(args):
+    from . import __version__, _build
+
+    built = _build.built_for() or {}
+    lib = _build.library_info()
+    print(f"attn_ext {__version__}")
+    print(f"  built against   torch {built.get('torch')}, CUDA {built.get('cuda')}, CUDA archs {built.get('cuda_archs')}")
+    print(f"  running on      torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}")
+    print(f"  CPU kernels     compiled for {lib.get('cpu_isas')}; running {lib.get('cpu_isa_active')}")
+    if built.get("cuda", "none") == "none":
+        why = "this build has no CUDA kernels (torch was CPU-only, nvcc missing, or ATTN_EXT_CPU_ONLY=1)"
+    elif not torch.cuda.is_available():
+        why = "built, but no CUDA device is visible here"
+    else:
+        why = f"usable on {torch.cuda.get_device_name()}"
+    print(f"  CUDA kernels    {why}")
+    return 0
+
+
+def _configs():
+    """(name, kwargs for make_inputs / the call) covering each path once."""
+    return [
+        ("plain", {}),
+        ("L != S, odd sizes", dict(L=17, S=29)),
+        ("bool mask", dict(mask="bool")),
+        ("float mask + grad", dict(mask="float")),
+        ("causal top_left", dict(is_causal=True)),
+        ("causal bottom_right", dict(is_causal=True, causal_alignment="bottom_right", L=5, S=11)),
+        ("causal + bool mask", dict(is_causal=True, mask="bool")),
+        ("GQA (4 q heads, 2 kv)", dict(Hq=4, Hkv=2, enable_gqa=True)),
+        ("Ev != E", dict(Ev=5)),
+        ("dropout 0.3, fixed seed", dict(dropout_p=0.3)),
+        ("transposed (N, L, H, E)", dict(transposed=True)),
+    ]
+
+
+def _run_config(cfg, device, dtype):
+    from .ops import scaled_dot_product_attention
+    from .reference import attention_reference
+
+    B, Hq, Hkv = 2, cfg.get("Hq", 2), cfg.get("Hkv", cfg.get("Hq", 2))
+    L, S, E, Ev = cfg.get("L", 7), cfg.get("S", 9), 8, cfg.get("Ev", 8)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, grad=True):
+        t = torch.randn(*shape, generator=g, dtype=dtype).to(device)
+        return t.requires_grad_(grad)
+
+    if cfg.get("transposed"):
+        q = rand(B, L, Hq, E).transpose(1, 2).detach().requires_grad_()
+        k = rand(B, S, Hkv, E).transpose(1, 2).detach().requires_grad_()
+        v = rand(B, S, Hkv, Ev).transpose(1, 2).detach().requires_grad_()
+    else:
+        q, k, v = rand(B, Hq, L, E), rand(B, Hkv, S, E), rand(B, Hkv, S, Ev)
+    mask = None
+    inputs = [q, k, v]
+    if cfg.get("mask") == "bool":
+        mask = (torch.rand(L, S, generator=g) > 0.3).to(device)
+    elif cfg.get("mask") == "float":
+        mask = rand(1, Hq, L, S)
+        inputs.append(mask)
+    kwargs = dict(is_causal=cfg.get("is_causal", False), enable_gqa=cfg.get("enable_gqa", False),
+                  causal_alignment=cfg.get("causal_alignment", "top_left"))
+    p = cfg.get("dropout_p", 0.0)
+
+    def ours(q, k, v, *m):
+        torch.manual_seed(1234)  # the same dropout mask on every call
+        return scaled_dot_product_attention(q, k, v, m[0] if m else mask, dropout_p=p, **kwargs)
+
+    out = ours(*inputs)
+    if p > 0:  # the forward's keep-mask, read back through value = identity
+        eye = torch.eye(S, dtype=dtype, device=device).expand(B, Hkv, S, S)
+        keep = ours(q.detach(), k.detach(), eye, *[t.detach() for t in inputs[3:]]) != 0
+        ref, _ = attention_reference(q, k, v, inputs[3] if len(inputs) > 3 else mask, dropout_p=p,
+                                     dropout_mask=keep, **kwargs)
+    else:
+        ref, _ = attention_reference(q, k, v, inputs[3] if len(inputs) > 3 else mask, **kwargs)
+    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    ok_ref = err < 1e-10
+    ok_grad = torch.autograd.gradcheck(ours, tuple(inputs), raise_exception=False)
+    return err, ok_ref, ok_grad
+
+
+def _check(args):
+    from . import _build  # noqa: F401
+
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("attn_ext check: --device cuda asked for, but no CUDA device is available here", file=sys.stderr)
+        return 2
+    print(f"attn_ext check on {device}: gradcheck (float64) and float64 reference comparison")
+    rows, failed = [], 0
+    for name, cfg in _configs():
+        t0 = time.perf_counter()
+        err, ok_ref, ok_grad = _run_config(cfg, device, torch.float64)
+        ok = ok_ref and ok_grad
+        failed += not ok
+        rows.append((name, f"{err:.1e}", "pass" if ok_grad else "FAIL", "PASS" if ok else "FAIL",
+                     f"{time.perf_counter() - t0:.2f}s"))
+    head = ("configuration", "rel err vs ref", "gradcheck", "result", "time")
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(f"{len(rows) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m attn_ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="what was built and what runs here")
+    check = sub.add_parser("check", help="gradcheck + reference comparison, pass/fail table")
+    check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = parser.parse_args(argv)
+    return {"info": _info, "check": _check}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

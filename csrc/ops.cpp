@@ -9,6 +9,9 @@
 
 #include "cpu/kernels.h"
 
+#if defined(ATTN_EXT_BUILD_INFO_HEADER)
+#include ATTN_EXT_BUILD_INFO_HEADER  // CMake writes the build info into a header
+#endif
 #ifndef ATTN_EXT_BUILD_INFO
 #define ATTN_EXT_BUILD_INFO "unknown"
 #endif

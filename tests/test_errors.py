@@ -1,0 +1,109 @@
+"""Bad input raises RuntimeError/ValueError naming the argument and showing the value
+received; nothing returns NaN silently, nothing crashes."""
+
+import pytest
+import torch
+
+from helpers import attn_ops, error_pattern, make_generator, sdpa
+
+ERRORS = (RuntimeError, ValueError)
+F32, F64 = torch.float32, torch.float64
+
+
+def _t(shape, device, dtype=F32, gen=None):
+    gen = gen or make_generator(sum(shape) if shape else 0)
+    return torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
+
+
+def _qkv(device, q=(2, 4, 17, 16), k=(2, 4, 23, 16), v=(2, 4, 23, 16), dtypes=(F32, F32, F32)):
+    return _t(q, device, dtypes[0]), _t(k, device, dtypes[1]), _t(v, device, dtypes[2])
+
+
+# (id, inputs -> call kwargs, argument name regex, offending values)
+CASES = {
+    "query_2d": (dict(q=(7, 13), k=(7, 13), v=(7, 13)), {}, "query", ("2", "13")),
+    "query_4d_key_3d": (dict(k=(2, 23, 16), v=(2, 23, 16)), {}, "key", ("3", "23")),
+    "batch_mismatch": (dict(k=(3, 4, 23, 16), v=(3, 4, 23, 16)), {}, "key", ("3",)),
+    "head_dim_mismatch": (dict(k=(2, 4, 23, 33)), {}, "key", ("33",)),
+    "key_value_S_mismatch": (dict(v=(2, 4, 29, 16)), {}, "value", ("29",)),
+    "key_value_heads_mismatch": (dict(v=(2, 3, 23, 16)), {}, "value", ("3",)),
+    "mixed_dtypes": (dict(dtypes=(F32, F64, F32)), {}, "key", ("float64", "double")),
+    "dropout_negative": ({}, dict(dropout_p=-0.1), "dropout_p", ("-0.1",)),
+    "dropout_one": ({}, dict(dropout_p=1.0), "dropout_p", ("1.0", "1")),
+    "gqa_not_multiple": (dict(q=(2, 6, 17, 16)), dict(enable_gqa=True), "(enable_gqa|head)",
+                         ("6", "4")),
+    "heads_differ_without_gqa": (dict(k=(2, 2, 23, 16), v=(2, 2, 23, 16)), {},
+                                 "(enable_gqa|head)", ("2", "4")),
+    "unknown_causal_alignment": ({}, dict(is_causal=True, causal_alignment="center"),
+                                 "causal_alignment", ("center",)),
+    "scale_nan": ({}, dict(scale=float("nan")), "scale", ("nan",)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_raises_naming_the_argument(device, case):
+    shapes, kwargs, name, values = CASES[case]
+    q, k, v = _qkv(device, **shapes)
+    with pytest.raises(ERRORS, match=error_pattern(name, *values)):
+        sdpa(q, k, v, **kwargs)
+
+
+MASK_CASES = {
+    "mask_does_not_broadcast": (lambda d: _t((19, 23), d), "19"),
+    "mask_wrong_heads": (lambda d: _t((2, 5, 17, 23), d), "5"),
+    "mask_int_dtype": (lambda d: torch.ones(17, 23, dtype=torch.int32, device=d), ("int32", "int")),
+    "float_mask_other_dtype": (lambda d: _t((17, 23), d, F64), ("float64", "double")),
+}
+
+
+@pytest.mark.parametrize("case", list(MASK_CASES))
+def test_bad_attn_mask_raises_naming_attn_mask(device, case):
+    make, values = MASK_CASES[case]
+    values = values if isinstance(values, tuple) else (values,)
+    q, k, v = _qkv(device)
+    with pytest.raises(ERRORS, match=error_pattern("attn_mask", *values)):
+        sdpa(q, k, v, attn_mask=make(device))
+
+
+def test_half_mask_with_float_query_is_rejected(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ERRORS, match=error_pattern("attn_mask", "float16", "half")):
+        sdpa(q, k, v, attn_mask=_t((17, 23), device, torch.float16))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.complex64], ids=["int64", "complex64"])
+def test_unsupported_input_dtype_is_rejected(device, dtype):
+    q, k, v = _qkv(device)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    with pytest.raises(ERRORS, match=error_pattern("query", "int64", "long", "complex64",
+                                                   "complexfloat")):
+        sdpa(q, k, v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU for a device mismatch")
+def test_inputs_on_different_devices_are_rejected():
+    q, k, v = _qkv("cuda")
+    with pytest.raises(ERRORS, match=error_pattern("key", "cpu")):
+        sdpa(q, k.cpu(), v)
+
+
+def test_low_level_forward_requires_4d_and_a_dropout_seed(device):
+    q, k, v = _qkv(device)
+    with pytest.raises(ERRORS, match=error_pattern("query", "3-D", "4-D", "17")):
+        attn_ops().attention_forward(q[0], k[0], v[0], None, 0.0, False, 0, 0.25, None)
+    with pytest.raises(ERRORS, match=error_pattern("dropout_seed", "0.5")):
+        attn_ops().attention_forward(q, k, v, None, 0.5, False, 0, 0.25, None)
+
+
+def test_legal_edge_values_give_finite_results(device):
+    """Legal edge values give finite results, not NaN: a tiny scale, a huge scale,
+    a mask of all -inf except one key, dropout_p just below 1."""
+    q, k, v = _qkv(device)
+    for kwargs in (dict(scale=1e-30), dict(scale=1e4)):
+        assert torch.isfinite(sdpa(q, k, v, **kwargs)).all(), kwargs
+    mask = torch.full((17, 23), float("-inf"), device=device)
+    mask[:, 5] = 0.0
+    out = sdpa(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, v[:, :, 5:6, :].expand_as(out), rtol=1e-6, atol=1e-6)
+    torch.manual_seed(0)
+    assert torch.isfinite(sdpa(q, k, v, dropout_p=0.999)).all()

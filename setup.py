@@ -76,7 +76,9 @@ build_info = ";".join(
 with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
     f.write(f'"""Written by setup.py: what attn_ext._C was built against."""\nBUILD_INFO = "{build_info}"\n')
 
-cxx_flags = ["-O3", "-fvisibility=hidden", f'-DATTN_EXT_BUILD_INFO="{build_info}"']
+# -fopenmp: at::parallel_for is inline and runs serially without it. The
+# library then needs libgomp.so.1, which is the one torch ships and has loaded.
+cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", f'-DATTN_EXT_BUILD_INFO="{build_info}"']
 if ISA_FLAGS:
     cxx_flags.append("-DATTN_EXT_HAVE_AVX2")
 extra_compile_args = {"cxx": cxx_flags}
@@ -93,12 +95,12 @@ if with_cuda:
             include_dirs.append(inc)
     ext = CUDAExtension(
         "attn_ext._C", cpu_sources + cuda_sources, include_dirs=include_dirs, define_macros=define_macros,
-        extra_compile_args=extra_compile_args,
+        extra_compile_args=extra_compile_args, extra_link_args=["-fopenmp"],
     )
 else:
     ext = CppExtension(
         "attn_ext._C", cpu_sources, include_dirs=include_dirs, define_macros=define_macros,
-        extra_compile_args=extra_compile_args,
+        extra_compile_args=extra_compile_args, extra_link_args=["-fopenmp"],
     )
 
 

@@ -138,6 +138,11 @@ namespace {
 std::string build_info() {
   std::ostringstream os;
   os << ATTN_EXT_BUILD_INFO << ";cpu_isas=" << cpu::compiled_isas() << ";cpu_isa_active=" << cpu::active_isa();
+#if defined(_OPENMP)
+  os << ";openmp=yes";  // at::parallel_for is inline: without OpenMP it runs on one thread
+#else
+  os << ";openmp=no";
+#endif
   return os.str();
 }
 }  // namespace

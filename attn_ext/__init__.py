@@ -2,10 +2,11 @@
 
 Public API:
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
+    attention_probs                the explicit attention probabilities, differentiable
 """
 
-from .ops import scaled_dot_product_attention
+from .ops import attention_probs, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "__version__"]
+__all__ = ["scaled_dot_product_attention", "attention_probs", "__version__"]

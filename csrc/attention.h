@@ -48,13 +48,26 @@ struct AttnParams {
   double scale = 1.0;
 
   // Dropout on the probabilities, drawn by Philox keyed with `seed`; see
-  // attention_math.h for which random number each element uses.
+  // attention_math.h for which random number each element uses. CUDA
+  // kernels read the seed from device memory (seed_ptr) instead, so that the
+  // host never waits for the device.
   double dropout_p = 0.0;
   uint64_t seed = 0;
+  const int64_t* seed_ptr = nullptr;
+
+  // Explicit probabilities (the attention_probs op): when set, the forward
+  // writes softmax * keep / (1 - p) here instead of computing out.
+  void* probs = nullptr;  // (B, Hq, L, S)
+  int64_t probs_stride[4] = {0, 0, 0, 0};
 };
 
 struct AttnBwdParams : AttnParams {
+  // The gradient arrives either for out (dout, the fused op) or for the
+  // explicit probabilities (dprobs, the attention_probs op; then there is no
+  // value, no out, no dv).
   const void* dout = nullptr;  // (B, Hq, L, Ev)
+  const void* dprobs = nullptr;  // (B, Hq, L, S); `probs` holds the forward's probabilities
+  int64_t dprobs_stride[4] = {0, 0, 0, 0};
   const void* dlse = nullptr;  // (B, Hq, L) contiguous, lse's dtype; nullptr when lse got no gradient
   void* dq = nullptr;          // (B, Hq, L, E)
   void* dk = nullptr;          // (B, Hkv, S, E)

@@ -56,25 +56,36 @@ void check_4d(const at::Tensor& t, const char* name, const char* dims) {
 AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                        int64_t causal_offset, double scale, const std::optional<at::Tensor>& dropout_seed) {
+  AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  check_4d(value, "value", "(B, Hkv, S, Ev)");
+  TORCH_CHECK(value.scalar_type() == query.scalar_type(), "attn_ext: query, key and value must have the same dtype, got query ",
+              query.scalar_type(), ", key ", key.scalar_type(), ", value ", value.scalar_type());
+  TORCH_CHECK(value.device() == query.device(), "attn_ext: query, key and value must be on the same device, got query ",
+              query.device(), ", key ", key.device(), ", value ", value.device());
+  TORCH_CHECK(value.size(0) == p.B && value.size(1) == p.Hkv && value.size(2) == p.S,
+              "attn_ext: value must have key's batch, heads and length (", p.B, ", ", p.Hkv, ", ", p.S,
+              "), got value ", shape_str(value.sizes()), " for key ", shape_str(key.sizes()));
+  p.Ev = value.size(3);
+  p.v = value.data_ptr();
+  copy_strides(p.v_stride, value);
+  return p;
+}
+
+AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& attn_mask,
+                       double dropout_p, bool is_causal, int64_t causal_offset, double scale,
+                       const std::optional<at::Tensor>& dropout_seed) {
   check_4d(query, "query", "(B, Hq, L, E)");
   check_4d(key, "key", "(B, Hkv, S, E)");
-  check_4d(value, "value", "(B, Hkv, S, Ev)");
-  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-              "attn_ext: query, key and value must have the same dtype, got query ", query.scalar_type(),
-              ", key ", key.scalar_type(), ", value ", value.scalar_type());
-  TORCH_CHECK(key.device() == query.device() && value.device() == query.device(),
-              "attn_ext: query, key and value must be on the same device, got query ", query.device(),
-              ", key ", key.device(), ", value ", value.device());
+  TORCH_CHECK(key.scalar_type() == query.scalar_type(), "attn_ext: query and key must have the same dtype, got query ",
+              query.scalar_type(), ", key ", key.scalar_type());
+  TORCH_CHECK(key.device() == query.device(), "attn_ext: query and key must be on the same device, got query ",
+              query.device(), ", key ", key.device());
   const int64_t B = query.size(0), Hq = query.size(1), L = query.size(2), E = query.size(3);
-  const int64_t Hkv = key.size(1), S = key.size(2), Ev = value.size(3);
-  TORCH_CHECK(key.size(0) == B && value.size(0) == B,
-              "attn_ext: query, key and value must have the same batch size, got query ",
-              shape_str(query.sizes()), ", key ", shape_str(key.sizes()), ", value ", shape_str(value.sizes()));
+  const int64_t Hkv = key.size(1), S = key.size(2);
+  TORCH_CHECK(key.size(0) == B, "attn_ext: query and key must have the same batch size, got query ",
+              shape_str(query.sizes()), ", key ", shape_str(key.sizes()));
   TORCH_CHECK(key.size(3) == E, "attn_ext: key's head dim must equal query's (", E, "), got key ",
               shape_str(key.sizes()), " for query ", shape_str(query.sizes()));
-  TORCH_CHECK(value.size(1) == Hkv && value.size(2) == S,
-              "attn_ext: value must have key's heads and length (", Hkv, ", ", S, "), got value ",
-              shape_str(value.sizes()), " for key ", shape_str(key.sizes()));
   TORCH_CHECK((Hkv == 0 && Hq == 0) || (Hkv > 0 && Hq % Hkv == 0),
               "attn_ext: the number of query heads must be a multiple of the number of key/value heads, "
               "got query ", shape_str(query.sizes()), " (", Hq, " heads) and key ", shape_str(key.sizes()),
@@ -83,14 +94,12 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at:
   TORCH_CHECK_VALUE(std::isfinite(scale), "attn_ext: scale must be finite, got ", scale);
 
   AttnParams p;
-  p.B = B, p.Hq = Hq, p.Hkv = Hkv, p.L = L, p.S = S, p.E = E, p.Ev = Ev;
+  p.B = B, p.Hq = Hq, p.Hkv = Hkv, p.L = L, p.S = S, p.E = E;
   p.dtype = to_dtype(query.scalar_type());
   p.q = query.data_ptr();
   p.k = key.data_ptr();
-  p.v = value.data_ptr();
   copy_strides(p.q_stride, query);
   copy_strides(p.k_stride, key);
-  copy_strides(p.v_stride, value);
   p.causal = is_causal;
   p.causal_offset = causal_offset;
   p.scale = scale;
@@ -162,6 +171,15 @@ TORCH_LIBRARY(attn_ext, m) {
       "Tensor out, Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, int causal_offset, "
       "float scale, Tensor? dropout_seed, bool compute_grad_mask) -> (Tensor grad_query, Tensor grad_key, "
       "Tensor grad_value, Tensor grad_mask)");
+  // The explicit attention probabilities (B, Hq, L, S), with dropout applied
+  // as attention_forward applies it (so probs @ value == out), and lse.
+  m.def(
+      "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float dropout_p, bool is_causal, "
+      "int causal_offset, float scale, Tensor? dropout_seed) -> (Tensor probs, Tensor lse)");
+  m.def(
+      "attention_probs_backward(Tensor grad_probs, Tensor? grad_lse, Tensor query, Tensor key, Tensor probs, "
+      "Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, int causal_offset, float scale, "
+      "Tensor? dropout_seed, bool compute_grad_mask) -> (Tensor grad_query, Tensor grad_key, Tensor grad_mask)");
   // What this library was built against and which kernels it holds:
   // "key=value;key=value".
   m.def("build_info() -> str", &build_info);

@@ -25,6 +25,11 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at:
                        const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                        int64_t causal_offset, double scale, const std::optional<at::Tensor>& dropout_seed);
 
+// The same for the ops without value (attention_probs): Ev = 0, no v.
+AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std::optional<at::Tensor>& attn_mask,
+                       double dropout_p, bool is_causal, int64_t causal_offset, double scale,
+                       const std::optional<at::Tensor>& dropout_seed);
+
 // The attn_mask viewed as (B, Hq, L, S) without copying (stride 0 on broadcast dims).
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
 

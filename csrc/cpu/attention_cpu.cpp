@@ -10,8 +10,80 @@
 namespace attn_ext {
 namespace {
 
-uint64_t read_seed(const std::optional<at::Tensor>& dropout_seed, double dropout_p) {
-  return dropout_p > 0.0 ? static_cast<uint64_t>(dropout_seed->item<int64_t>()) : 0;
+void set_strides(int64_t (&dst)[4], const at::Tensor& t) {
+  for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
+}
+
+void set_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
+  if (p.dropout_p > 0.0) p.seed = static_cast<uint64_t>(dropout_seed->item<int64_t>());
+}
+
+void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, at::ScalarType acc) {
+  const std::vector<int64_t> shape = {p.B, p.Hq, p.L};
+  TORCH_CHECK(lse.sizes() == shape && lse.scalar_type() == acc, "attn_ext: ", name, " must be ", acc, " of shape ",
+              shape_str(shape), ", got ", lse.scalar_type(), " of shape ", shape_str(lse.sizes()));
+}
+
+// The float32/float64 buffer the kernel accumulates the mask's gradient in.
+// Tasks are (batch, key/value head) pairs; they hit the same mask element
+// when the mask broadcasts over a dim they are split on, and then each thread
+// accumulates into a copy of its own. grad_mask_from() sums the copies.
+at::Tensor grad_mask_buffer(AttnBwdParams& p, const at::Tensor& attn_mask, at::ScalarType acc) {
+  TORCH_CHECK(p.mask_kind == MaskKind::Additive, "attn_ext: compute_grad_mask needs a float attn_mask");
+  std::vector<int64_t> shape(4 - attn_mask.dim(), 1);  // the mask's sizes, padded to 4-D
+  for (int64_t size : attn_mask.sizes()) shape.push_back(size);
+  const bool shared = (p.B > 1 && shape[0] == 1) || (p.Hkv > 1 && shape[1] == 1);
+  shape.insert(shape.begin(), shared ? at::get_num_threads() : 1);
+  at::Tensor buffer = at::zeros(shape, attn_mask.options().dtype(acc));
+  set_strides(p.dmask_stride, buffer[0].expand({p.B, p.Hq, p.L, p.S}));
+  p.dmask = buffer.data_ptr();
+  p.dmask_numel = buffer[0].numel();
+  p.dmask_per_thread = shared;
+  return buffer;
+}
+
+at::Tensor grad_mask_from(const at::Tensor& buffer, const at::Tensor& attn_mask) {
+  return buffer.sum(0).view(attn_mask.sizes()).to(attn_mask.scalar_type());
+}
+
+// Common part of both backwards: dlse, seed, lse, dq/dk outputs, mask gradient.
+struct BwdOutputs {
+  at::Tensor grad_query, grad_key, grad_mask, mask_buffer, lse, grad_lse;
+};
+
+BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& lse,
+                            const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
+                            const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
+  check_lse(lse, "lse", p, acc);
+  BwdOutputs o;
+  o.grad_query = at::empty(query.sizes(), query.options());
+  o.grad_key = at::empty(key.sizes(), key.options());
+  o.grad_mask = at::empty({0}, query.options());
+  o.lse = lse.contiguous();
+  p.lse = o.lse.data_ptr();
+  if (grad_lse.has_value()) {
+    check_lse(*grad_lse, "grad_lse", p, acc);
+    o.grad_lse = grad_lse->contiguous();
+    p.dlse = o.grad_lse.data_ptr();
+  }
+  set_seed(p, dropout_seed);
+  p.dq = o.grad_query.data_ptr();
+  p.dk = o.grad_key.data_ptr();
+  set_strides(p.dq_stride, o.grad_query);
+  set_strides(p.dk_stride, o.grad_key);
+  if (compute_grad_mask) {
+    TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask");
+    o.mask_buffer = grad_mask_buffer(p, *attn_mask, acc);
+  }
+  return o;
+}
+
+void check_same(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query) {
+  TORCH_CHECK(t.sizes() == shape, "attn_ext: ", name, " must have shape ", shape_str(shape), ", got ",
+              shape_str(t.sizes()));
+  TORCH_CHECK(t.scalar_type() == query.scalar_type() && t.device() == query.device(), "attn_ext: ", name,
+              " must be ", query.scalar_type(), " on ", query.device(), ", got ", t.scalar_type(), " on ", t.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
@@ -24,98 +96,88 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   at::Tensor out = at::empty({p.B, p.Hq, p.L, p.Ev}, query.options());
   at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
-  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  p.seed = read_seed(dropout_seed, dropout_p);
+  if (lse.numel() == 0) return {out, lse};
+  set_seed(p, dropout_seed);
   p.out = out.data_ptr();
   p.lse = lse.data_ptr();
-  p.o_stride[0] = out.stride(0), p.o_stride[1] = out.stride(1), p.o_stride[2] = out.stride(2),
-  p.o_stride[3] = out.stride(3);
+  set_strides(p.o_stride, out);
   cpu::attention_forward(p);
   return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& grad_out,                // (B, Hq, L, Ev)
-    const std::optional<at::Tensor>& grad_lse, // (B, Hq, L), lse's dtype
-    const at::Tensor& query,                   // (B, Hq, L, E)
-    const at::Tensor& key,                     // (B, Hkv, S, E)
-    const at::Tensor& value,                   // (B, Hkv, S, Ev)
-    const at::Tensor& out,                     // (B, Hq, L, Ev), attention_forward's
-    const at::Tensor& lse,                     // (B, Hq, L), attention_forward's
+    const at::Tensor& grad_out,                 // (B, Hq, L, Ev), any strides
+    const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L), lse's dtype
+    const at::Tensor& query,                    // (B, Hq, L, E)
+    const at::Tensor& key,                      // (B, Hkv, S, E)
+    const at::Tensor& value,                    // (B, Hkv, S, Ev)
+    const at::Tensor& out,                      // (B, Hq, L, Ev), attention_forward's
+    const at::Tensor& lse,                      // (B, Hq, L), attention_forward's
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
     double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
   const std::vector<int64_t> out_shape = {p.B, p.Hq, p.L, p.Ev};
-  const std::vector<int64_t> lse_shape = {p.B, p.Hq, p.L};
-  TORCH_CHECK(grad_out.sizes() == out_shape && out.sizes() == out_shape,
-              "attn_ext: grad_out and out must have shape ", shape_str(out_shape), ", got grad_out ",
-              shape_str(grad_out.sizes()), " and out ", shape_str(out.sizes()));
-  TORCH_CHECK(grad_out.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(),
-              "attn_ext: grad_out and out must have query's dtype ", query.scalar_type(), ", got ",
-              grad_out.scalar_type(), " and ", out.scalar_type());
-  TORCH_CHECK(lse.sizes() == lse_shape && lse.scalar_type() == acc,
-              "attn_ext: lse must be ", acc, " of shape ", shape_str(lse_shape), ", got ", lse.scalar_type(),
-              " of shape ", shape_str(lse.sizes()));
-  TORCH_CHECK(!compute_grad_mask || p.mask_kind == MaskKind::Additive,
-              "attn_ext: compute_grad_mask needs a float attn_mask");
-
-  at::Tensor grad_query = at::empty(query.sizes(), query.options());
-  at::Tensor grad_key = at::empty(key.sizes(), key.options());
+  check_same(grad_out, "grad_out", out_shape, query);
+  check_same(out, "out", out_shape, query);
+  BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor grad_value = at::empty(value.sizes(), value.options());
-  at::Tensor grad_mask = at::empty({0}, query.options());
-  if (p.B == 0 || p.Hq == 0) {
-    if (compute_grad_mask) grad_mask = at::zeros(attn_mask->sizes(), attn_mask->options());
-    return {grad_query, grad_key, grad_value, grad_mask};
+  if (p.B > 0 && p.Hq > 0) {
+    p.out = const_cast<void*>(out.data_ptr());
+    p.dout = grad_out.data_ptr();
+    p.dv = grad_value.data_ptr();
+    set_strides(p.o_stride, out);
+    set_strides(p.do_stride, grad_out);
+    set_strides(p.dv_stride, grad_value);
+    cpu::attention_backward(p);
   }
+  if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
+  return {o.grad_query, o.grad_key, grad_value, o.grad_mask};
+}
 
-  const at::Tensor lse_c = lse.contiguous();
-  std::optional<at::Tensor> grad_lse_c;
-  if (grad_lse.has_value()) {
-    TORCH_CHECK(grad_lse->sizes() == lse_shape && grad_lse->scalar_type() == acc,
-                "attn_ext: grad_lse must be ", acc, " of shape ", shape_str(lse_shape), ", got ",
-                grad_lse->scalar_type(), " of shape ", shape_str(grad_lse->sizes()));
-    grad_lse_c = grad_lse->contiguous();
-    p.dlse = grad_lse_c->data_ptr();
+std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
+    const at::Tensor& query,  // (B, Hq, L, E)
+    const at::Tensor& key,    // (B, Hkv, S, E)
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
+    double scale, const std::optional<at::Tensor>& dropout_seed) {
+  AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  at::Tensor probs = at::empty({p.B, p.Hq, p.L, p.S}, query.options());
+  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  if (lse.numel() == 0) return {probs, lse};
+  set_seed(p, dropout_seed);
+  p.probs = probs.data_ptr();
+  p.lse = lse.data_ptr();
+  set_strides(p.probs_stride, probs);
+  cpu::attention_forward(p);
+  return {probs, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
+    const at::Tensor& grad_probs,               // (B, Hq, L, S), any strides
+    const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L)
+    const at::Tensor& query,                    // (B, Hq, L, E)
+    const at::Tensor& key,                      // (B, Hkv, S, E)
+    const at::Tensor& probs,                    // (B, Hq, L, S), attention_probs'
+    const at::Tensor& lse,                      // (B, Hq, L), attention_probs'
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
+    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+  AttnBwdParams p;
+  static_cast<AttnParams&>(p) =
+      make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  const std::vector<int64_t> probs_shape = {p.B, p.Hq, p.L, p.S};
+  check_same(grad_probs, "grad_probs", probs_shape, query);
+  check_same(probs, "probs", probs_shape, query);
+  BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  if (p.B > 0 && p.Hq > 0) {
+    p.probs = const_cast<void*>(probs.data_ptr());
+    p.dprobs = grad_probs.data_ptr();
+    set_strides(p.probs_stride, probs);
+    set_strides(p.dprobs_stride, grad_probs);
+    cpu::attention_backward(p);
   }
-  p.seed = read_seed(dropout_seed, dropout_p);
-  p.out = const_cast<void*>(out.data_ptr());
-  p.lse = const_cast<void*>(lse_c.data_ptr());
-  p.dout = grad_out.data_ptr();
-  p.dq = grad_query.data_ptr();
-  p.dk = grad_key.data_ptr();
-  p.dv = grad_value.data_ptr();
-  for (int d = 0; d < 4; ++d) {
-    p.o_stride[d] = out.stride(d);
-    p.do_stride[d] = grad_out.stride(d);
-    p.dq_stride[d] = grad_query.stride(d);
-    p.dk_stride[d] = grad_key.stride(d);
-    p.dv_stride[d] = grad_value.stride(d);
-  }
-
-  at::Tensor dmask_acc;
-  if (compute_grad_mask) {
-    // Tasks are (batch, key/value head) pairs; they write the same mask
-    // element when the mask broadcasts over a dim they are split on. Then
-    // each thread accumulates into a copy of its own.
-    std::vector<int64_t> shape(4 - attn_mask->dim(), 1);  // the mask's sizes, padded to 4-D
-    for (int64_t size : attn_mask->sizes()) shape.push_back(size);
-    const bool shared = (p.B > 1 && shape[0] == 1) || (p.Hkv > 1 && shape[1] == 1);
-    shape.insert(shape.begin(), shared ? at::get_num_threads() : 1);
-    dmask_acc = at::zeros(shape, query.options().dtype(acc));
-    const at::Tensor view = dmask_acc[0].expand({p.B, p.Hq, p.L, p.S});
-    for (int d = 0; d < 4; ++d) p.dmask_stride[d] = view.stride(d);
-    p.dmask = dmask_acc.data_ptr();
-    p.dmask_numel = dmask_acc[0].numel();
-    p.dmask_per_thread = shared;
-  }
-
-  cpu::attention_backward(p);
-
-  if (compute_grad_mask) grad_mask = dmask_acc.sum(0).view(attn_mask->sizes()).to(attn_mask->scalar_type());
-  return {grad_query, grad_key, grad_value, grad_mask};
+  if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
+  return {o.grad_query, o.grad_key, o.grad_mask};
 }
 
 }  // namespace
@@ -123,6 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
 TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_forward", &attention_forward_cpu);
   m.impl("attention_backward", &attention_backward_cpu);
+  m.impl("attention_probs", &attention_probs_cpu);
+  m.impl("attention_probs_backward", &attention_probs_backward_cpu);
 }
 
 }  // namespace attn_ext

@@ -241,8 +241,40 @@ inline void mask_score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padde
   for (int64_t j = n; j < n_padded; ++j) s[j] = kNegInf;
 }
 
+// The dropout of one call: keep iff the element's random number >= threshold.
+template <typename T>
+struct Dropout {
+  bool on;
+  uint32_t threshold;
+  T keep_scale;  // 1 / (1 - p)
+  explicit Dropout(const AttnParams& p)
+      : on(p.dropout_p > 0.0),
+        threshold(dropout_threshold(p.dropout_p)),
+        keep_scale(on ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)) {}
+};
+
+// Row i of a score tile (keys j0 + j, already masked) to probabilities, given
+// the row's log-sum-exp: s = exp(s - lse). With dropout, z = s * keep / (1 - p)
+// (z may be s itself) and, when dz is given, dz *= keep / (1 - p) likewise.
+// Shared by the backward and the explicit-probabilities forward.
+template <typename T>
+inline void probabilities_row(const AttnParams& p, const Dropout<T>& drop, T* s, T* z, T* dz, int64_t n,
+                              int64_t np, T row_lse, int64_t b, int64_t h, int64_t i, int64_t j0) {
+  exp_shift_sum(s, np, row_lse);
+  if (!drop.on) return;
+  DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
+  for (int64_t j = 0; j < n; ++j) {
+    const bool keep = rng.next() >= drop.threshold;
+    z[j] = keep ? s[j] * drop.keep_scale : T(0);
+    if (dz != nullptr) dz[j] = keep ? dz[j] * drop.keep_scale : T(0);
+  }
+  for (int64_t j = n; j < np; ++j) z[j] = T(0);
+}
+
 // ---------------------------------------------------------------------------
-// Forward
+// Forward. With p.probs set (the attention_probs op) there is no V: the first
+// pass only finds each row's log-sum-exp and a second pass writes the
+// probabilities.
 // ---------------------------------------------------------------------------
 template <typename scalar_t>
 void forward_kernel(const AttnParams& p) {
@@ -259,24 +291,24 @@ void forward_kernel(const AttnParams& p) {
   const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), VS));
   const int64_t Evp = round_up(Ev, VS);
   const T scale = static_cast<T>(p.scale);
-  const bool dropout = p.dropout_p > 0.0;
-  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
-  const T keep_scale = dropout ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1);
+  const Dropout<T> drop(p);
+  const bool write_probs = p.probs != nullptr;
 
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<T*>(p.lse);
+  auto* probs = static_cast<scalar_t*>(p.probs);
   // V can be read in place when it already is the tile the micro-kernel wants.
-  const bool v_direct = std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && Ev % VS == 0;
+  const bool v_direct = !write_probs && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && Ev % VS == 0;
 
   at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> qt(q_block * std::max<int64_t>(E, 1));
     std::vector<T> kt(std::max<int64_t>(E, 1) * kv_block);
-    std::vector<T> vt(v_direct ? 0 : kv_block * Evp);
+    std::vector<T> vt(v_direct || write_probs ? 0 : kv_block * Evp);
     std::vector<T> st(q_block * kv_block);
-    std::vector<T> ot(q_block * Evp);
+    std::vector<T> ot(write_probs ? 0 : q_block * Evp);
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
 
@@ -292,7 +324,7 @@ void forward_kernel(const AttnParams& p) {
 
       const scalar_t* q_bh = q + b * p.q_stride[0] + h * p.q_stride[1];
       const scalar_t* k_bh = k + b * p.k_stride[0] + hk * p.k_stride[1];
-      const scalar_t* v_bh = v + b * p.v_stride[0] + hk * p.v_stride[1];
+      const scalar_t* v_bh = write_probs ? nullptr : v + b * p.v_stride[0] + hk * p.v_stride[1];
       for (int64_t r = 0; r < m; ++r)
         load_row(qt.data() + r * E, q_bh + (i0 + r) * p.q_stride[2], E, p.q_stride[3], scale, E);
       std::fill(ot.begin(), ot.end(), T(0));
@@ -311,7 +343,7 @@ void forward_kernel(const AttnParams& p) {
             ldv = p.v_stride[2];
           }
         }
-        if (!v_direct) {
+        if (!v_direct && !write_probs) {
           for (int64_t j = 0; j < n; ++j)
             load_row(vt.data() + j * Evp, v_bh + (j0 + j) * p.v_stride[2], Ev, p.v_stride[3], T(1), Evp);
         }
@@ -331,26 +363,54 @@ void forward_kernel(const AttnParams& p) {
           const T correction = std::exp(row_m[r] - m_new);  // 0 when row_m was -inf
           row_l[r] = row_l[r] * correction + exp_shift_sum(s, np, m_new);
           row_m[r] = m_new;
+          if (write_probs) continue;
           if (correction != T(1)) scale_row(ot.data() + r * Evp, Evp, correction);
-          if (dropout) {
+          if (drop.on) {
             DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
             for (int64_t j = 0; j < n; ++j)
-              if (rng.next() < drop_threshold) s[j] = T(0);
+              if (rng.next() < drop.threshold) s[j] = T(0);
           }
         }
         // O += P V
-        gemm<T>(m, Evp, n, T(1), st.data(), np, 1, vtile, ldv, true, ot.data(), Evp);
+        if (!write_probs) gemm<T>(m, Evp, n, T(1), st.data(), np, 1, vtile, ldv, true, ot.data(), Evp);
       }
 
-      scalar_t* o_bh = out + b * p.o_stride[0] + h * p.o_stride[1];
       T* lse_bh = lse + (b * Hq + h) * L;
       for (int64_t r = 0; r < m; ++r) {
-        const int64_t i = i0 + r;
-        const T l = row_l[r];
         // l == 0 only when the row saw no key: output 0, log-sum-exp -inf.
-        const T inv = l > T(0) ? keep_scale / l : T(0);
-        store_row(o_bh + i * p.o_stride[2], p.o_stride[3], ot.data() + r * Evp, Ev, inv);
-        lse_bh[i] = l > T(0) ? row_m[r] + std::log(l) : kNegInf;
+        const T l = row_l[r];
+        lse_bh[i0 + r] = l > T(0) ? row_m[r] + std::log(l) : kNegInf;
+      }
+      if (!write_probs) {
+        scalar_t* o_bh = out + b * p.o_stride[0] + h * p.o_stride[1];
+        for (int64_t r = 0; r < m; ++r) {
+          const T l = row_l[r];
+          const T inv = l > T(0) ? drop.keep_scale / l : T(0);
+          store_row(o_bh + (i0 + r) * p.o_stride[2], p.o_stride[3], ot.data() + r * Evp, Ev, inv);
+        }
+        continue;
+      }
+
+      // Second pass of attention_probs: P = exp(S - lse), dropped, written out.
+      scalar_t* p_bh = probs + b * p.probs_stride[0] + h * p.probs_stride[1];
+      for (int64_t j0 = 0; j0 < S; j0 += kv_block) {
+        const int64_t n = std::min(kv_block, S - j0);
+        const int64_t np = round_up(n, VS);
+        if (j0 < kv_end) {
+          pack_transposed(kt.data(), np, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, E);
+          gemm<T>(m, np, E, T(1), qt.data(), E, 1, kt.data(), np, false, st.data(), np);
+        }
+        for (int64_t r = 0; r < m; ++r) {
+          const int64_t i = i0 + r;
+          T* s = st.data() + r * np;
+          if (j0 >= kv_end || lse_bh[i] == kNegInf) {
+            std::fill(s, s + np, T(0));
+          } else {
+            mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
+            probabilities_row(p, drop, s, s, static_cast<T*>(nullptr), n, np, lse_bh[i], b, h, i, j0);
+          }
+          store_row(p_bh + i * p.probs_stride[2] + j0 * p.probs_stride[3], p.probs_stride[3], s, n, T(1));
+        }
       }
     }
   });
@@ -378,15 +438,18 @@ void backward_kernel(const AttnBwdParams& p) {
   const int64_t Ep = round_up(std::max<int64_t>(E, 1), VS);
   const int64_t Evp = round_up(std::max<int64_t>(Ev, 1), VS);
   const T scale = static_cast<T>(p.scale);
-  const bool dropout = p.dropout_p > 0.0;
-  const uint32_t drop_threshold = dropout_threshold(p.dropout_p);
-  const T keep_scale = dropout ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1);
+  const Dropout<T> drop(p);
+  const bool dropout = drop.on;
+  // attention_probs' backward: the gradient comes for the probabilities.
+  const bool from_probs = p.dprobs != nullptr;
 
   const auto* q = static_cast<const scalar_t*>(p.q);
   const auto* k = static_cast<const scalar_t*>(p.k);
   const auto* v = static_cast<const scalar_t*>(p.v);
   const auto* o = static_cast<const scalar_t*>(p.out);
   const auto* dout = static_cast<const scalar_t*>(p.dout);
+  const auto* probs = static_cast<const scalar_t*>(p.probs);
+  const auto* dprobs = static_cast<const scalar_t*>(p.dprobs);
   const auto* lse = static_cast<const T*>(p.lse);
   const auto* dlse = static_cast<const T*>(p.dlse);
   auto* dq = static_cast<scalar_t*>(p.dq);
@@ -414,19 +477,25 @@ void backward_kernel(const AttnBwdParams& p) {
       const int64_t hk = task % Hkv;
       const int64_t b = task / Hkv;
       const scalar_t* k_bh = k + b * p.k_stride[0] + hk * p.k_stride[1];
-      const scalar_t* v_bh = v + b * p.v_stride[0] + hk * p.v_stride[1];
+      const scalar_t* v_bh = from_probs ? nullptr : v + b * p.v_stride[0] + hk * p.v_stride[1];
 
-      // D for every row of the group's query heads.
+      // D for every row of the group's query heads: rowsum(dO * O), which
+      // equals rowsum(dZ * Z) for the explicit probabilities Z.
       for (int64_t g = 0; g < group; ++g) {
         const int64_t h = hk * group + g;
-        const scalar_t* o_bh = o + b * p.o_stride[0] + h * p.o_stride[1];
-        const scalar_t* do_bh = dout + b * p.do_stride[0] + h * p.do_stride[1];
         for (int64_t i = 0; i < L; ++i) {
-          const scalar_t* orow = o_bh + i * p.o_stride[2];
-          const scalar_t* drow = do_bh + i * p.do_stride[2];
           T d = 0;
-          for (int64_t e = 0; e < Ev; ++e)
-            d += static_cast<T>(orow[e * p.o_stride[3]]) * static_cast<T>(drow[e * p.do_stride[3]]);
+          if (from_probs) {
+            const scalar_t* zrow = probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
+            const scalar_t* drow = dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + i * p.dprobs_stride[2];
+            for (int64_t j = 0; j < S; ++j)
+              d += static_cast<T>(zrow[j * p.probs_stride[3]]) * static_cast<T>(drow[j * p.dprobs_stride[3]]);
+          } else {
+            const scalar_t* orow = o + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+            const scalar_t* drow = dout + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
+            for (int64_t e = 0; e < Ev; ++e)
+              d += static_cast<T>(orow[e * p.o_stride[3]]) * static_cast<T>(drow[e * p.do_stride[3]]);
+          }
           if (dlse != nullptr) d -= dlse[(b * Hq + h) * L + i];
           delta[g * L + i] = d;
         }
@@ -437,9 +506,9 @@ void backward_kernel(const AttnBwdParams& p) {
         const int64_t n = std::min(kv_block, S - j0);
         const int64_t np = round_up(n, VS);
         const scalar_t* k_tile = k_bh + j0 * p.k_stride[2];
-        const scalar_t* v_tile = v_bh + j0 * p.v_stride[2];
         pack_transposed(kt.data(), np, k_tile, p.k_stride[2], p.k_stride[3], n, E);
-        pack_transposed(vt.data(), np, v_tile, p.v_stride[2], p.v_stride[3], n, Ev);
+        if (!from_probs)
+          pack_transposed(vt.data(), np, v_bh + j0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, Ev);
         for (int64_t j = 0; j < n; ++j)
           load_row(kn.data() + j * Ep, k_tile + j * p.k_stride[2], E, p.k_stride[3], T(1), Ep);
         std::fill(dk_acc.begin(), dk_acc.begin() + n * Ep, T(0));
@@ -448,18 +517,26 @@ void backward_kernel(const AttnBwdParams& p) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = hk * group + g;
           const scalar_t* q_bh = q + b * p.q_stride[0] + h * p.q_stride[1];
-          const scalar_t* do_bh = dout + b * p.do_stride[0] + h * p.do_stride[1];
+          const scalar_t* do_bh = from_probs ? nullptr : dout + b * p.do_stride[0] + h * p.do_stride[1];
           const T* lse_bh = lse + (b * Hq + h) * L;
           for (int64_t i0 = 0; i0 < L; i0 += q_block) {
             const int64_t m = std::min(q_block, L - i0);
             if (causal_key_end(p, i0 + m - 1) <= j0) continue;  // no row of this block sees these keys
-            for (int64_t r = 0; r < m; ++r) {
+            for (int64_t r = 0; r < m; ++r)
               load_row(qt.data() + r * Ep, q_bh + (i0 + r) * p.q_stride[2], E, p.q_stride[3], scale, Ep);
-              load_row(dot.data() + r * Evp, do_bh + (i0 + r) * p.do_stride[2], Ev, p.do_stride[3], T(1), Evp);
-            }
-            // S = (scale Q) K^T, dP = dO V^T
+            // S = (scale Q) K^T, dZ = dO V^T (or the given gradient of the probabilities)
             gemm<T>(m, np, E, T(1), qt.data(), Ep, 1, kt.data(), np, false, pt.data(), np);
-            gemm<T>(m, np, Ev, T(1), dot.data(), Evp, 1, vt.data(), np, false, dst.data(), np);
+            if (from_probs) {
+              for (int64_t r = 0; r < m; ++r)
+                load_row(dst.data() + r * np,
+                         dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + (i0 + r) * p.dprobs_stride[2] +
+                             j0 * p.dprobs_stride[3],
+                         n, p.dprobs_stride[3], T(1), np);
+            } else {
+              for (int64_t r = 0; r < m; ++r)
+                load_row(dot.data() + r * Evp, do_bh + (i0 + r) * p.do_stride[2], Ev, p.do_stride[3], T(1), Evp);
+              gemm<T>(m, np, Ev, T(1), dot.data(), Evp, 1, vt.data(), np, false, dst.data(), np);
+            }
 
             for (int64_t r = 0; r < m; ++r) {
               const int64_t i = i0 + r;
@@ -473,21 +550,7 @@ void backward_kernel(const AttnBwdParams& p) {
                 continue;
               }
               mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-              exp_shift_sum(s, np, row_lse);
-              if (dropout) {
-                T* z = zt.data() + r * np;
-                DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
-                for (int64_t j = 0; j < n; ++j) {
-                  if (rng.next() < drop_threshold) {
-                    z[j] = T(0);
-                    ds[j] = T(0);
-                  } else {
-                    z[j] = s[j] * keep_scale;
-                    ds[j] *= keep_scale;
-                  }
-                }
-                for (int64_t j = n; j < np; ++j) z[j] = T(0);
-              }
+              probabilities_row(p, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, b, h, i, j0);
               const Vec d(delta[g * L + i]);
               for (int64_t j = 0; j < np; j += VS)
                 (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
@@ -499,7 +562,7 @@ void backward_kernel(const AttnBwdParams& p) {
             }
             const T* z = dropout ? zt.data() : pt.data();
             // dV += Z^T dO ; dQ += scale dS K ; dK += dS^T (scale Q)
-            gemm<T>(n, Evp, m, T(1), z, 1, np, dot.data(), Evp, true, dv_acc.data(), Evp);
+            if (!from_probs) gemm<T>(n, Evp, m, T(1), z, 1, np, dot.data(), Evp, true, dv_acc.data(), Evp);
             gemm<T>(m, Ep, n, scale, dst.data(), np, 1, kn.data(), Ep, true,
                     dq_acc.data() + (g * L + i0) * Ep, Ep);
             gemm<T>(n, Ep, m, T(1), dst.data(), 1, np, qt.data(), Ep, true, dk_acc.data(), Ep);
@@ -507,10 +570,12 @@ void backward_kernel(const AttnBwdParams& p) {
         }
 
         scalar_t* dk_bh = dk + b * p.dk_stride[0] + hk * p.dk_stride[1];
-        scalar_t* dv_bh = dv + b * p.dv_stride[0] + hk * p.dv_stride[1];
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = 0; j < n; ++j)
           store_row(dk_bh + (j0 + j) * p.dk_stride[2], p.dk_stride[3], dk_acc.data() + j * Ep, E, T(1));
-          store_row(dv_bh + (j0 + j) * p.dv_stride[2], p.dv_stride[3], dv_acc.data() + j * Evp, Ev, T(1));
+        if (!from_probs) {
+          scalar_t* dv_bh = dv + b * p.dv_stride[0] + hk * p.dv_stride[1];
+          for (int64_t j = 0; j < n; ++j)
+            store_row(dv_bh + (j0 + j) * p.dv_stride[2], p.dv_stride[3], dv_acc.data() + j * Evp, Ev, T(1));
         }
       }
 

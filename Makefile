@@ -5,6 +5,9 @@
 #   make demo    build, run a gradcheck + reference pass, then a short benchmark against SDPA
 #   make test    build, run the test suite
 #   make bench   the full CPU benchmark (the README's table)
+#   make gpu     on a machine with an NVIDIA GPU and torch already installed (no
+#                registry needed): build in place with CUDA, run the test suite on
+#                CUDA plus compute-sanitizer, then the GPU benchmark against SDPA
 #
 # ATTN_EXT_CPU_ONLY=1 skips the CUDA sources; MAX_JOBS and TORCH_CUDA_ARCH_LIST are honoured.
 
@@ -14,7 +17,7 @@ TORCH_SPEC ?= torch==2.14.1
 PY := $(VENV)/bin/python
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: build demo test bench clean
+.PHONY: build demo test bench gpu clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +39,11 @@ test: build
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py --dtype float32,bfloat16
+
+gpu:
+	$(PYTHON) setup.py build_ext --inplace
+	PYTHON=$(PYTHON) PYTHONPATH=$(CURDIR) scripts/gpu_check.sh
+	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_gpu.py --markdown --json benchmarks/results/gpu.json
 
 clean:
 	rm -rf build attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built

@@ -1,9 +1,11 @@
 """attn_ext's operators: fake kernels, autograd, and the functional API.
 
 The kernels are C++ (csrc/cpu) and CUDA (csrc/cuda), registered as
-``torch.ops.attn_ext.attention_forward`` and ``torch.ops.attn_ext.attention_backward``.
-This module gives them fake (meta) kernels, so that they trace under
-``torch.compile`` and ``torch.export``, and an autograd formula.
+``torch.ops.attn_ext.attention_forward`` / ``attention_backward`` (the fused
+attention) and ``attention_probs`` / ``attention_probs_backward`` (the explicit
+probabilities). This module gives them fake (meta) kernels, so that they trace
+under ``torch.compile`` and ``torch.export``, and an autograd formula, then
+the functional API on top.
 """
 
 import math

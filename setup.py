@@ -69,7 +69,7 @@ build_info = ";".join(
         f"version={VERSION}",
         f"torch={torch.__version__}",
         f"cuda={torch.version.cuda if with_cuda else 'none'}",
-        f"cuda_archs={arch_list or 'none'}",
+        f"cuda_archs={arch_list.replace(';', ' ') or 'none'}",
     ]
 )
 # The Python side reads what the build was made for without loading the library.

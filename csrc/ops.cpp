@@ -43,15 +43,30 @@ DType to_dtype(at::ScalarType t) {
   }
 }
 
-void copy_strides(int64_t (&dst)[4], const at::Tensor& t) {
-  for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
-}
-
 void check_4d(const at::Tensor& t, const char* name, const char* dims) {
   TORCH_CHECK(t.dim() == 4, "attn_ext: ", name, " must be 4-D ", dims, ", got shape ", shape_str(t.sizes()));
 }
 
 }  // namespace
+
+void copy_strides(int64_t (&dst)[4], const at::Tensor& t) {
+  for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
+}
+
+void check_like_query(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query) {
+  TORCH_CHECK(t.sizes() == shape, "attn_ext: ", name, " must have shape ", shape_str(shape), ", got ",
+              shape_str(t.sizes()));
+  TORCH_CHECK(t.scalar_type() == query.scalar_type() && t.device() == query.device(), "attn_ext: ", name,
+              " must be ", query.scalar_type(), " on ", query.device(), ", got ", t.scalar_type(), " on ", t.device());
+}
+
+void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, const at::Tensor& query) {
+  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
+  const std::vector<int64_t> shape = {p.B, p.Hq, p.L};
+  TORCH_CHECK(lse.sizes() == shape && lse.scalar_type() == acc && lse.device() == query.device(), "attn_ext: ",
+              name, " must be ", acc, " of shape ", shape_str(shape), " on ", query.device(), ", got ",
+              lse.scalar_type(), " of shape ", shape_str(lse.sizes()), " on ", lse.device());
+}
 
 AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,

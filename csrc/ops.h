@@ -33,6 +33,13 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std
 // The attn_mask viewed as (B, Hq, L, S) without copying (stride 0 on broadcast dims).
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
 
+// Host helpers shared by the CPU and CUDA operator implementations.
+void copy_strides(int64_t (&dst)[4], const at::Tensor& t);  // t is 4-D
+// t must have `shape` and query's dtype and device; the message names `name`.
+void check_like_query(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query);
+// A log-sum-exp (or its gradient) for the rows of `p`: accumulation dtype, (B, Hq, L), on query's device.
+void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, const at::Tensor& query);
+
 // float32 for float16/bfloat16/float32, float64 for float64.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);
 

@@ -10,18 +10,8 @@
 namespace attn_ext {
 namespace {
 
-void set_strides(int64_t (&dst)[4], const at::Tensor& t) {
-  for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
-}
-
 void set_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
   if (p.dropout_p > 0.0) p.seed = static_cast<uint64_t>(dropout_seed->item<int64_t>());
-}
-
-void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, at::ScalarType acc) {
-  const std::vector<int64_t> shape = {p.B, p.Hq, p.L};
-  TORCH_CHECK(lse.sizes() == shape && lse.scalar_type() == acc, "attn_ext: ", name, " must be ", acc, " of shape ",
-              shape_str(shape), ", got ", lse.scalar_type(), " of shape ", shape_str(lse.sizes()));
 }
 
 // The float32/float64 buffer the kernel accumulates the mask's gradient in.
@@ -35,7 +25,7 @@ at::Tensor grad_mask_buffer(AttnBwdParams& p, const at::Tensor& attn_mask, at::S
   const bool shared = (p.B > 1 && shape[0] == 1) || (p.Hkv > 1 && shape[1] == 1);
   shape.insert(shape.begin(), shared ? at::get_num_threads() : 1);
   at::Tensor buffer = at::zeros(shape, attn_mask.options().dtype(acc));
-  set_strides(p.dmask_stride, buffer[0].expand({p.B, p.Hq, p.L, p.S}));
+  copy_strides(p.dmask_stride, buffer[0].expand({p.B, p.Hq, p.L, p.S}));
   p.dmask = buffer.data_ptr();
   p.dmask_numel = buffer[0].numel();
   p.dmask_per_thread = shared;
@@ -55,7 +45,7 @@ BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
                             const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
                             const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
   const at::ScalarType acc = accumulation_dtype(query.scalar_type());
-  check_lse(lse, "lse", p, acc);
+  check_lse(lse, "lse", p, query);
   BwdOutputs o;
   o.grad_query = at::empty(query.sizes(), query.options());
   o.grad_key = at::empty(key.sizes(), key.options());
@@ -63,27 +53,20 @@ BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
   o.lse = lse.contiguous();
   p.lse = o.lse.data_ptr();
   if (grad_lse.has_value()) {
-    check_lse(*grad_lse, "grad_lse", p, acc);
+    check_lse(*grad_lse, "grad_lse", p, query);
     o.grad_lse = grad_lse->contiguous();
     p.dlse = o.grad_lse.data_ptr();
   }
   set_seed(p, dropout_seed);
   p.dq = o.grad_query.data_ptr();
   p.dk = o.grad_key.data_ptr();
-  set_strides(p.dq_stride, o.grad_query);
-  set_strides(p.dk_stride, o.grad_key);
+  copy_strides(p.dq_stride, o.grad_query);
+  copy_strides(p.dk_stride, o.grad_key);
   if (compute_grad_mask) {
     TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask");
     o.mask_buffer = grad_mask_buffer(p, *attn_mask, acc);
   }
   return o;
-}
-
-void check_same(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query) {
-  TORCH_CHECK(t.sizes() == shape, "attn_ext: ", name, " must have shape ", shape_str(shape), ", got ",
-              shape_str(t.sizes()));
-  TORCH_CHECK(t.scalar_type() == query.scalar_type() && t.device() == query.device(), "attn_ext: ", name,
-              " must be ", query.scalar_type(), " on ", query.device(), ", got ", t.scalar_type(), " on ", t.device());
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
@@ -100,7 +83,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   set_seed(p, dropout_seed);
   p.out = out.data_ptr();
   p.lse = lse.data_ptr();
-  set_strides(p.o_stride, out);
+  copy_strides(p.o_stride, out);
   cpu::attention_forward(p);
   return {out, lse};
 }
@@ -119,17 +102,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const std::vector<int64_t> out_shape = {p.B, p.Hq, p.L, p.Ev};
-  check_same(grad_out, "grad_out", out_shape, query);
-  check_same(out, "out", out_shape, query);
+  check_like_query(grad_out, "grad_out", out_shape, query);
+  check_like_query(out, "out", out_shape, query);
   BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor grad_value = at::empty(value.sizes(), value.options());
   if (p.B > 0 && p.Hq > 0) {
     p.out = const_cast<void*>(out.data_ptr());
     p.dout = grad_out.data_ptr();
     p.dv = grad_value.data_ptr();
-    set_strides(p.o_stride, out);
-    set_strides(p.do_stride, grad_out);
-    set_strides(p.dv_stride, grad_value);
+    copy_strides(p.o_stride, out);
+    copy_strides(p.do_stride, grad_out);
+    copy_strides(p.dv_stride, grad_value);
     cpu::attention_backward(p);
   }
   if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
@@ -148,7 +131,7 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
   set_seed(p, dropout_seed);
   p.probs = probs.data_ptr();
   p.lse = lse.data_ptr();
-  set_strides(p.probs_stride, probs);
+  copy_strides(p.probs_stride, probs);
   cpu::attention_forward(p);
   return {probs, lse};
 }
@@ -166,14 +149,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const std::vector<int64_t> probs_shape = {p.B, p.Hq, p.L, p.S};
-  check_same(grad_probs, "grad_probs", probs_shape, query);
-  check_same(probs, "probs", probs_shape, query);
+  check_like_query(grad_probs, "grad_probs", probs_shape, query);
+  check_like_query(probs, "probs", probs_shape, query);
   BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   if (p.B > 0 && p.Hq > 0) {
     p.probs = const_cast<void*>(probs.data_ptr());
     p.dprobs = grad_probs.data_ptr();
-    set_strides(p.probs_stride, probs);
-    set_strides(p.dprobs_stride, grad_probs);
+    copy_strides(p.probs_stride, probs);
+    copy_strides(p.dprobs_stride, grad_probs);
     cpu::attention_backward(p);
   }
   if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);

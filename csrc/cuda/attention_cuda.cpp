@@ -1,0 +1,299 @@
+// attn_ext: the CUDA implementations of the operators: allocate the outputs
+// and the backward's workspace, fill the parameter structs, pick the kernels
+// (tensor cores when they can run the call, else the generic kernels) and
+// launch them on the current stream. The contracts (shapes, dtypes,
+// contiguity of the results) are the CPU implementations' in
+// csrc/cpu/attention_cpu.cpp; validation is make_params() from ops.h.
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../ops.h"
+#include "launch.h"
+
+namespace attn_ext {
+namespace {
+
+// The kernels read the seed on the device: the host never waits for it.
+void set_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
+  if (p.dropout_p > 0.0) p.seed_ptr = dropout_seed->data_ptr<int64_t>();  // make_params checked device and dtype
+}
+
+// ---------------------------------------------------------------------------
+// Which kernels run
+// ---------------------------------------------------------------------------
+
+// nullptr when the tensor-core kernels can run `p` on the current device, else why not.
+const char* tensor_core_reason_for(const AttnParams& p) {
+  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
+  return cuda::tensor_core_unsupported(p, prop->major, prop->minor);
+}
+
+void launch_forward(const AttnParams& p) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (p.probs == nullptr && tensor_core_reason_for(p) == nullptr) {
+    cuda::forward_tensor_core(p, stream);
+  } else {
+    cuda::forward_generic(p, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// ---------------------------------------------------------------------------
+// The backward's buffers
+// ---------------------------------------------------------------------------
+
+// Everything the backward allocates besides its results: the accumulators of
+// the kernels (BwdWorkspace), the mask-gradient buffer, contiguous lse/dlse.
+struct BwdBuffers {
+  at::Tensor dq, dk, dv, delta;  // float32/float64 accumulators, zeroed
+  at::Tensor dmask;              // mask-gradient accumulator, or undefined
+  bool dmask_full = false;       // dmask is (B, Hq, L, S), summed over the mask's broadcast dims afterwards
+  at::Tensor lse, grad_lse;
+  cuda::BwdWorkspace ws;
+};
+
+// The mask's gradient accumulates dS into a buffer in the accumulation dtype.
+// Where the mask is not broadcast, each element receives one addition and the
+// buffer has the mask's own (4-D padded) shape. Where it is broadcast, several
+// (b, h, i, j) add into one element with atomicAdd, in an order that changes
+// from run to run: the last bits then differ between two identical calls.
+// For float64 (gradcheck demands bitwise-identical repeated backwards) and
+// under torch.use_deterministic_algorithms(True), the buffer is instead the
+// full (B, Hq, L, S) gradient, one addition per element, summed over the
+// broadcast dims by torch afterwards, as PyTorch's own efficient-attention
+// backward does for a bias.
+void make_mask_buffer(AttnBwdParams& p, BwdBuffers& buf, const at::Tensor& attn_mask, at::ScalarType acc) {
+  TORCH_CHECK(p.mask_kind == MaskKind::Additive, "attn_ext: compute_grad_mask needs a float attn_mask, got ",
+              attn_mask.scalar_type());
+  const int64_t full[4] = {p.B, p.Hq, p.L, p.S};
+  std::vector<int64_t> shape(4 - attn_mask.dim(), 1);  // the mask's sizes, padded to 4-D
+  for (int64_t size : attn_mask.sizes()) shape.push_back(size);
+  bool broadcast = false;
+  for (int d = 0; d < 4; ++d) broadcast |= shape[d] != full[d];
+  buf.dmask_full = broadcast && (p.dtype == DType::Float64 || at::globalContext().deterministicAlgorithms());
+  if (buf.dmask_full) {
+    buf.dmask = at::zeros({p.B, p.Hq, p.L, p.S}, attn_mask.options().dtype(acc));
+    copy_strides(p.dmask_stride, buf.dmask);
+  } else {
+    buf.dmask = at::zeros(shape, attn_mask.options().dtype(acc));
+    copy_strides(p.dmask_stride, buf.dmask.expand({p.B, p.Hq, p.L, p.S}));  // stride 0 on broadcast dims
+  }
+  p.dmask = buf.dmask.data_ptr();
+  p.dmask_numel = buf.dmask.numel();
+  p.dmask_per_thread = false;
+}
+
+at::Tensor grad_mask_from(const BwdBuffers& buf, const at::Tensor& attn_mask) {
+  at::Tensor g = buf.dmask;
+  if (buf.dmask_full) {
+    std::vector<int64_t> dims;
+    const int64_t pad = 4 - attn_mask.dim();
+    for (int64_t d = 0; d < 4; ++d)
+      if ((d < pad || attn_mask.size(d - pad) == 1) && g.size(d) != 1) dims.push_back(d);
+    if (!dims.empty()) g = g.sum(dims, /*keepdim=*/true);
+  }
+  return g.view(attn_mask.sizes()).to(attn_mask.scalar_type());
+}
+
+// Common part of both backwards: lse/dlse, seed, workspace, mask gradient.
+BwdBuffers prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& lse,
+                            const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
+                            const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask, bool with_value) {
+  const at::ScalarType acc = accumulation_dtype(query.scalar_type());
+  const at::TensorOptions opts = query.options().dtype(acc);
+  check_lse(lse, "lse", p, query);
+  BwdBuffers buf;
+  buf.lse = lse.contiguous();
+  p.lse = buf.lse.data_ptr();
+  if (grad_lse.has_value()) {
+    check_lse(*grad_lse, "grad_lse", p, query);
+    buf.grad_lse = grad_lse->contiguous();
+    p.dlse = buf.grad_lse.data_ptr();
+  }
+  set_seed(p, dropout_seed);
+  if (compute_grad_mask) {
+    TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask, got none");
+    make_mask_buffer(p, buf, *attn_mask, acc);
+  }
+  // dk/dv get one slice per query head; the host sums each GQA group afterwards.
+  buf.dq = at::zeros({p.B, p.Hq, p.L, p.E}, opts);
+  buf.dk = at::zeros({p.B, p.Hq, p.S, p.E}, opts);
+  buf.delta = at::zeros({p.B, p.Hq, p.L}, opts);
+  buf.ws.dq_accum = buf.dq.data_ptr();
+  buf.ws.dk_accum = buf.dk.data_ptr();
+  buf.ws.delta = buf.delta.data_ptr();
+  if (with_value) {
+    buf.dv = at::zeros({p.B, p.Hq, p.S, p.Ev}, opts);
+    buf.ws.dv_accum = buf.dv.data_ptr();
+  }
+  return buf;
+}
+
+// (B, Hq, S, D) per-query-head accumulator -> (B, Hkv, S, D) gradient in `dtype`.
+at::Tensor sum_over_groups(const at::Tensor& accum, const AttnParams& p, at::ScalarType dtype) {
+  const int64_t group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
+  if (group == 1) return accum.to(dtype);
+  return accum.view({p.B, p.Hkv, group, accum.size(2), accum.size(3)}).sum(2).to(dtype);
+}
+
+// ---------------------------------------------------------------------------
+// The operators
+// ---------------------------------------------------------------------------
+
+std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
+    const at::Tensor& query,   // (B, Hq, L, E), any strides
+    const at::Tensor& key,     // (B, Hkv, S, E)
+    const at::Tensor& value,   // (B, Hkv, S, Ev)
+    const std::optional<at::Tensor>& attn_mask,  // bool or query's dtype, broadcastable to (B, Hq, L, S)
+    double dropout_p, bool is_causal, int64_t causal_offset, double scale,
+    const std::optional<at::Tensor>& dropout_seed) {  // int64, 1 element, on query's device
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  at::Tensor out = at::empty({p.B, p.Hq, p.L, p.Ev}, query.options());
+  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  if (lse.numel() == 0) return {out, lse};
+  if (p.S == 0) {  // no key at all: every row is fully masked
+    out.zero_();
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {out, lse};
+  }
+  set_seed(p, dropout_seed);
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr();
+  copy_strides(p.o_stride, out);
+  launch_forward(p);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& grad_out,                 // (B, Hq, L, Ev), any strides
+    const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L), lse's dtype
+    const at::Tensor& query,                    // (B, Hq, L, E)
+    const at::Tensor& key,                      // (B, Hkv, S, E)
+    const at::Tensor& value,                    // (B, Hkv, S, Ev)
+    const at::Tensor& out,                      // (B, Hq, L, Ev), attention_forward's
+    const at::Tensor& lse,                      // (B, Hq, L), attention_forward's
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
+    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttnBwdParams p;
+  static_cast<AttnParams&>(p) =
+      make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  const std::vector<int64_t> out_shape = {p.B, p.Hq, p.L, p.Ev};
+  check_like_query(grad_out, "grad_out", out_shape, query);
+  check_like_query(out, "out", out_shape, query);
+  BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true);
+  if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {  // else every gradient is 0: the zeroed buffers
+    p.out = const_cast<void*>(out.data_ptr());
+    p.dout = grad_out.data_ptr();
+    copy_strides(p.o_stride, out);
+    copy_strides(p.do_stride, grad_out);
+    // Both kernel families read out and grad_out through any strides, so the
+    // forward's choice (made from q, k, v, mask, ...) holds for the backward.
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (tensor_core_reason_for(p) == nullptr) {
+      cuda::backward_tensor_core(p, buf.ws, stream);
+    } else {
+      cuda::backward_generic(p, buf.ws, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const at::ScalarType dtype = query.scalar_type();
+  at::Tensor grad_mask = compute_grad_mask ? grad_mask_from(buf, *attn_mask) : at::empty({0}, query.options());
+  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), sum_over_groups(buf.dv, p, dtype), grad_mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
+    const at::Tensor& query,  // (B, Hq, L, E), any strides
+    const at::Tensor& key,    // (B, Hkv, S, E)
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
+    double scale, const std::optional<at::Tensor>& dropout_seed) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  at::Tensor probs = at::empty({p.B, p.Hq, p.L, p.S}, query.options());
+  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  if (lse.numel() == 0) return {probs, lse};
+  if (p.S == 0) {
+    lse.fill_(-std::numeric_limits<double>::infinity());
+    return {probs, lse};
+  }
+  set_seed(p, dropout_seed);
+  p.probs = probs.data_ptr();
+  p.lse = lse.data_ptr();
+  copy_strides(p.probs_stride, probs);
+  launch_forward(p);  // the generic kernels: the tensor-core ones do not write probabilities
+  return {probs, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
+    const at::Tensor& grad_probs,               // (B, Hq, L, S), any strides
+    const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L)
+    const at::Tensor& query,                    // (B, Hq, L, E)
+    const at::Tensor& key,                      // (B, Hkv, S, E)
+    const at::Tensor& probs,                    // (B, Hq, L, S), attention_probs'
+    const at::Tensor& lse,                      // (B, Hq, L), attention_probs'
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
+    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttnBwdParams p;
+  static_cast<AttnParams&>(p) =
+      make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  const std::vector<int64_t> probs_shape = {p.B, p.Hq, p.L, p.S};
+  check_like_query(grad_probs, "grad_probs", probs_shape, query);
+  check_like_query(probs, "probs", probs_shape, query);
+  BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false);
+  if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {
+    p.probs = const_cast<void*>(probs.data_ptr());
+    p.dprobs = grad_probs.data_ptr();
+    copy_strides(p.probs_stride, probs);
+    copy_strides(p.dprobs_stride, grad_probs);
+    cuda::backward_generic(p, buf.ws, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const at::ScalarType dtype = query.scalar_type();
+  at::Tensor grad_mask = compute_grad_mask ? grad_mask_from(buf, *attn_mask) : at::empty({0}, query.options());
+  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), grad_mask};
+}
+
+// Why attention_forward(query, key, value) would not run on the tensor-core
+// kernels on query's device, or "" when it would. Masks, causal and dropout do
+// not change the choice. The operator allocates out itself, contiguous and
+// aligned: it is described as such (a null pointer counts as aligned).
+std::string tensor_core_reason(const at::Tensor& query,    // (B, Hq, L, E)
+                               const at::Tensor& key,      // (B, Hkv, S, E)
+                               const at::Tensor& value) {  // (B, Hkv, S, Ev)
+  const c10::cuda::CUDAGuard guard(query.device());
+  AttnParams p = make_params(query, key, value, std::nullopt, 0.0, false, 0, 1.0, std::nullopt);
+  const int64_t out_stride[4] = {p.Hq * p.L * p.Ev, p.L * p.Ev, p.Ev, 1};
+  for (int d = 0; d < 4; ++d) p.o_stride[d] = out_stride[d];
+  const char* reason = tensor_core_reason_for(p);
+  return reason == nullptr ? std::string() : std::string(reason);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
+  // "" when attention_forward(query, key, value) runs on the tensor-core
+  // kernels on this device, else the reason it falls back to the generic ones.
+  m.def("tensor_core_reason(Tensor query, Tensor key, Tensor value) -> str");
+}
+
+TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
+  m.impl("attention_forward", &attention_forward_cuda);
+  m.impl("attention_backward", &attention_backward_cuda);
+  m.impl("attention_probs", &attention_probs_cuda);
+  m.impl("attention_probs_backward", &attention_probs_backward_cuda);
+  m.impl("tensor_core_reason", &tensor_core_reason);
+}
+
+}  // namespace attn_ext

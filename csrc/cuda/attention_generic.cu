@@ -1,0 +1,730 @@
+// attn_ext: the generic CUDA kernels: forward, backward and the explicit
+// probabilities for every dtype (float16/bfloat16 accumulate in float32,
+// float64 in float64), any head dims (E, Ev = 0 included), any strides, every
+// feature (additive/bool masks read through strides, causal, dropout, GQA).
+// They are the correctness kernels (gradcheck on the GPU runs on them) and the
+// fallback of the tensor-core path.
+//
+// Method. Everything is built from one tile: a (kBlockM query rows) x
+// (kBlockN keys) score tile, held in registers, 4 consecutive keys x kRows
+// rows per thread (4 consecutive keys = one Philox block, so each thread draws
+// its dropout randoms with one Philox call per row). The dot products behind
+// a tile (Q K^T, dO V^T) run over the head dim in chunks of kChunkD staged in
+// shared memory, so no register array depends on E or Ev; outputs are produced
+// kChunkOut columns at a time for the same reason.
+//
+//   forward     one block per (b, h, query tile, chunk of Ev columns): online
+//               softmax over the key tiles (FlashAttention), O chunk in
+//               registers, P staged in shared memory for O += P V. A head dim
+//               above kChunkOut costs a recomputation of Q K^T per chunk.
+//   probs       the same block with one output chunk: pass 1 finds each row's
+//               lse, pass 2 recomputes the scores and writes exp(S - lse),
+//               dropped, to params.probs.
+//   backward    (1) delta = rowsum(dO * O) - dlse, one warp per row;
+//               (2) one block per (b, h, key tile) loops over the query tiles,
+//                   recomputes P from lse and adds Z^T dO into dV and
+//                   scale dS^T Q into dK (the block owns those rows of the
+//                   workspace, so plain read-modify-writes, no atomics);
+//               (3) one block per (b, h, query tile) loops over the key tiles,
+//                   recomputes dS and adds scale dS K into dQ (owned rows
+//                   again) and dS into the mask gradient (atomicAdd: mask
+//                   elements are shared across broadcast dims).
+//   Every result is thus computed in one fixed order (deterministic) except
+//   the mask gradient when the mask broadcasts (the host decides; see
+//   attention_cuda.cpp).
+//
+// This file includes CUDA headers and attn_ext's torch-free headers only.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <limits>
+
+#include "../attention_math.h"
+#include "launch.h"
+
+namespace attn_ext::cuda {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Types: scalar_t is what the tensors hold (__half, __nv_bfloat16, float,
+// double), T = acc_t<scalar_t> is what the kernels compute in.
+// ---------------------------------------------------------------------------
+template <typename scalar_t>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+template <typename scalar_t>
+using acc_t = typename AccType<scalar_t>::type;
+
+__device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_acc(float x) { return x; }
+__device__ __forceinline__ double to_acc(double x) { return x; }
+
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t from_acc(acc_t<scalar_t> x);
+template <>
+__device__ __forceinline__ __half from_acc<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ float from_acc<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ double from_acc<double>(double x) { return x; }
+
+__device__ __forceinline__ float acc_exp(float x) { return expf(x); }
+__device__ __forceinline__ double acc_exp(double x) { return exp(x); }
+__device__ __forceinline__ float acc_log(float x) { return logf(x); }
+__device__ __forceinline__ double acc_log(double x) { return log(x); }
+
+template <typename T>
+__device__ __forceinline__ T neg_inf() {
+  return -std::numeric_limits<T>::infinity();
+}
+
+// ---------------------------------------------------------------------------
+// Block sizes, in one place, per accumulation type.
+// ---------------------------------------------------------------------------
+template <typename T>
+struct Tiles {
+  static constexpr int kThreads = 128;
+  static constexpr int kBlockM = 32;                          // query rows per tile
+  static constexpr int kBlockN = sizeof(T) == 8 ? 32 : 64;    // keys per tile
+  static constexpr int kChunkD = 32;                          // head-dim chunk of Q K^T and dO V^T
+  static constexpr int kChunkOut = sizeof(T) == 8 ? 32 : 64;  // columns of O, dQ, dK, dV per pass
+
+  // Score tile layout: thread (ty, tx) owns rows ty + kTy * a (a < kRows) and
+  // keys 4 tx .. 4 tx + 3. The kTx threads of a row are adjacent lanes of one warp.
+  static constexpr int kTx = kBlockN / 4;
+  static constexpr int kTy = kThreads / kTx;
+  static constexpr int kRows = kBlockM / kTy;
+  // The forward's O chunk uses the score tile's rows and columns tx + kTx * c.
+  static constexpr int kOutCols = kChunkOut / kTx;
+  // The backward's (rows x kChunkOut) products: a kOutTy x kOutTx thread grid,
+  // rows ty + kOutTy * a, columns tx + kOutTx * c.
+  static constexpr int kOutTx = 16;
+  static constexpr int kOutTy = kThreads / kOutTx;
+
+  static_assert(kTx <= 32 && (kTx & (kTx - 1)) == 0, "a row's threads must be a power-of-two group of lanes");
+  static_assert(kBlockM % kTy == 0 && kChunkOut % kTx == 0, "tile sizes must divide among the threads");
+  static_assert(kBlockN % kChunkD == 0, "P V runs over the key tile in chunks of kChunkD");
+  static_assert(kBlockM % kOutTy == 0 && kBlockN % kOutTy == 0 && kChunkOut % kOutTx == 0,
+                "output chunks must divide among the threads");
+};
+
+// Grid size for `tasks` blocks' worth of work; kernels loop over tasks with a
+// stride of gridDim.x, so any task count fits a 1-D grid.
+inline unsigned grid_for(int64_t tasks) { return static_cast<unsigned>(std::min<int64_t>(tasks, INT_MAX)); }
+
+__host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One (batch, head) slice of a 4-D tensor seen as a matrix: element (r, c)
+// is ptr[r * rs + c * cs].
+template <typename scalar_t>
+struct Mat {
+  const scalar_t* ptr;
+  int64_t rs, cs;
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ Mat<scalar_t> slice(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h) {
+  return {static_cast<const scalar_t*>(base) + b * stride[0] + h * stride[1], stride[2], stride[3]};
+}
+
+// ---------------------------------------------------------------------------
+// Block-wide building blocks
+// ---------------------------------------------------------------------------
+
+// dst[r * ld + c] = src(r0 + r, c0 + c) for r < rows_valid, c < cols_valid,
+// 0 elsewhere in the ROWS x COLS tile. Consecutive threads take consecutive
+// columns (coalesced when src's columns are contiguous).
+template <int ROWS, int COLS, int THREADS, typename T, typename scalar_t>
+__device__ __forceinline__ void load_tile(T* dst, int ld, Mat<scalar_t> src, int64_t r0, int64_t c0,
+                                          int64_t rows_valid, int64_t cols_valid) {
+  for (int idx = threadIdx.x; idx < ROWS * COLS; idx += THREADS) {
+    const int r = idx / COLS, c = idx % COLS;
+    T x = T(0);
+    if (r < rows_valid && c < cols_valid) x = to_acc(src.ptr[(r0 + r) * src.rs + (c0 + c) * src.cs]);
+    dst[r * ld + c] = x;
+  }
+}
+
+// acc[a][c] += sum_{k < K} A(row(a), k) * B(k, col(c)) on shared-memory
+// operands A(r, k) = a[r * a_r + k * a_k] and B(k, c) = b[k * b_k + c * b_c],
+// with row(a) = ty + TY * a and col(c) = QUAD ? NC * tx + c : tx + TX * c.
+template <int TY, int TX, bool QUAD, int K, int NR, int NC, typename T>
+__device__ __forceinline__ void smem_gemm(T (&acc)[NR][NC], const T* a, int a_r, int a_k, const T* b, int b_k,
+                                          int b_c, int ty, int tx) {
+#pragma unroll 4
+  for (int k = 0; k < K; ++k) {
+    T av[NR], bv[NC];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) av[r] = a[(ty + TY * r) * a_r + k * a_k];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) bv[c] = b[k * b_k + (QUAD ? NC * tx + c : tx + TX * c) * b_c];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) acc[r][c] = fma(av[r], bv[c], acc[r][c]);
+  }
+}
+
+// Max / sum over the kTx lanes that hold one row of a score tile. The xor
+// butterfly leaves the same value (bit for bit) in every lane of the group.
+template <int WIDTH, typename T>
+__device__ __forceinline__ T group_max(T v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+template <int WIDTH, typename T>
+__device__ __forceinline__ T group_sum(T v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The staging buffers of the Q K^T / dO V^T products (+1: no bank conflicts).
+template <typename T>
+struct ProductSmem {
+  T x[Tiles<T>::kBlockM][Tiles<T>::kChunkD + 1];  // rows of Q (or dO), one head-dim chunk
+  T y[Tiles<T>::kBlockN][Tiles<T>::kChunkD + 1];  // rows of K (or V), one head-dim chunk
+};
+
+// acc = X[i0 : i0 + kBlockM] . Y[j0 : j0 + kBlockN]^T over D columns, in the
+// score tile layout; rows/keys past m_valid/n_valid give 0.
+//   X: (L, D) rows of query (or dO) of one (b, h); Y: (S, D) rows of key (or value).
+template <typename T, typename scalar_t>
+__device__ __forceinline__ void product_tile(T (&acc)[Tiles<T>::kRows][4], ProductSmem<T>& sm, Mat<scalar_t> x,
+                                             int64_t i0, int64_t m_valid, Mat<scalar_t> y, int64_t j0,
+                                             int64_t n_valid, int64_t D, int ty, int tx) {
+  using C = Tiles<T>;
+#pragma unroll
+  for (int r = 0; r < C::kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[r][c] = T(0);
+  for (int64_t d0 = 0; d0 < D; d0 += C::kChunkD) {
+    const int64_t dn = D - d0;
+    __syncthreads();  // the previous chunk (or the caller's last use) is done with sm
+    load_tile<C::kBlockM, C::kChunkD, C::kThreads>(&sm.x[0][0], C::kChunkD + 1, x, i0, d0, m_valid, dn);
+    load_tile<C::kBlockN, C::kChunkD, C::kThreads>(&sm.y[0][0], C::kChunkD + 1, y, j0, d0, n_valid, dn);
+    __syncthreads();
+    smem_gemm<C::kTy, C::kTx, true, C::kChunkD>(acc, &sm.x[0][0], C::kChunkD + 1, 1, &sm.y[0][0], 1,
+                                                C::kChunkD + 1, ty, tx);
+  }
+}
+
+// Raw dot products -> masked scores: s * scale, plus the additive mask, or
+// -inf where the bool mask says no, past the causal bound or past the keys.
+template <typename T, typename scalar_t>
+__device__ __forceinline__ void mask_scores(T (&s)[Tiles<T>::kRows][4], const AttnParams& p, int64_t b, int64_t h,
+                                            int64_t i0, int64_t j0, int ty, int tx) {
+  using C = Tiles<T>;
+  const T scale = static_cast<T>(p.scale);
+#pragma unroll
+  for (int r = 0; r < C::kRows; ++r) {
+    const int64_t i = i0 + ty + C::kTy * r;
+    const int64_t key_end = i < p.L ? causal_key_end(p, i) : 0;  // all S keys when not causal
+    const int64_t mask_row = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t j = j0 + 4 * tx + c;
+      T x = s[r][c] * scale;
+      if (j >= key_end) {
+        x = neg_inf<T>();
+      } else if (p.mask_kind == MaskKind::Additive) {
+        x += to_acc(static_cast<const scalar_t*>(p.mask)[mask_row + j * p.mask_stride[3]]);
+      } else if (p.mask_kind == MaskKind::Bool) {
+        if (!static_cast<const bool*>(p.mask)[mask_row + j * p.mask_stride[3]]) x = neg_inf<T>();
+      }
+      s[r][c] = x;
+    }
+  }
+}
+
+// The dropout decisions of keys j .. j + 3 (j % 4 == 0: one Philox block) in
+// query row (b, h, i): bit c set = key j + c kept. attention_math.h defines
+// which random number each element uses.
+__device__ __forceinline__ unsigned keep_bits(const AttnParams& p, uint64_t seed, uint32_t threshold, int64_t b,
+                                              int64_t h, int64_t i, int64_t j) {
+  DropoutRowStream rng(seed, dropout_row(p, b, h, i), j);
+  unsigned bits = 0;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) bits |= (rng.next() >= threshold ? 1u : 0u) << c;
+  return bits;
+}
+
+// The dropout of one call; the seed comes from device memory.
+template <typename T>
+struct Dropout {
+  bool on;
+  uint32_t threshold;
+  T keep_scale;  // 1 / (1 - p)
+  uint64_t seed;
+  __device__ explicit Dropout(const AttnParams& p)
+      : on(p.dropout_p > 0.0),
+        threshold(dropout_threshold(p.dropout_p)),
+        keep_scale(on ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)),
+        seed(on ? static_cast<uint64_t>(*p.seed_ptr) : 0) {}
+};
+
+// ---------------------------------------------------------------------------
+// Forward (out and lse), or the explicit probabilities when params.probs is set.
+// ---------------------------------------------------------------------------
+template <typename T>
+struct ForwardSmem {
+  ProductSmem<T> prod;
+  T p[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];       // probabilities of the current key tile
+  T v[Tiles<T>::kChunkD][Tiles<T>::kChunkOut];         // V rows (kChunkD keys) x one output chunk
+};
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+    forward_kernel(const __grid_constant__ AttnParams p) {
+  using T = acc_t<scalar_t>;
+  using C = Tiles<T>;
+  constexpr int R = C::kRows, NC = C::kOutCols;
+  __shared__ ForwardSmem<T> sm;
+
+  const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
+  const bool write_probs = p.probs != nullptr;
+  const Dropout<T> drop(p);
+  const int64_t group = p.Hq / p.Hkv;
+  const int64_t n_qtiles = ceil_div(p.L, C::kBlockM);
+  const int64_t n_chunks = write_probs ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
+  const int64_t n_tasks = p.B * p.Hq * n_qtiles * n_chunks;
+
+  for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+    const int64_t chunk = task % n_chunks;
+    const int64_t qt = (task / n_chunks) % n_qtiles;
+    const int64_t h = (task / (n_chunks * n_qtiles)) % p.Hq;
+    const int64_t b = task / (n_chunks * n_qtiles * p.Hq);
+    const int64_t hk = h / group;
+    const int64_t i0 = qt * C::kBlockM, c0 = chunk * C::kChunkOut;
+    const int64_t kv_end = causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1);
+    const Mat<scalar_t> q = slice<scalar_t>(p.q, p.q_stride, b, h);
+    const Mat<scalar_t> k = slice<scalar_t>(p.k, p.k_stride, b, hk);
+
+    T row_m[R], row_l[R], o[R][NC];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      row_m[r] = neg_inf<T>();
+      row_l[r] = T(0);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) o[r][c] = T(0);
+    }
+
+    for (int64_t j0 = 0; j0 < kv_end; j0 += C::kBlockN) {
+      T s[R][4];
+      product_tile(s, sm.prod, q, i0, p.L - i0, k, j0, p.S - j0, p.E, ty, tx);
+      mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+
+      // Online softmax: s becomes exp(s - m_new); O and l are rescaled.
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        T tile_max = max(max(s[r][0], s[r][1]), max(s[r][2], s[r][3]));
+        tile_max = group_max<C::kTx>(tile_max);
+        const T m_new = max(row_m[r], tile_max);
+        T correction = T(1), sum = T(0);
+        if (m_new == neg_inf<T>()) {  // no visible key in this row yet
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[r][c] = T(0);
+        } else {
+          correction = acc_exp(row_m[r] - m_new);  // 0 while row_m is -inf
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            s[r][c] = acc_exp(s[r][c] - m_new);  // -inf scores give 0
+            sum += s[r][c];
+          }
+        }
+        sum = group_sum<C::kTx>(sum);
+        row_l[r] = row_l[r] * correction + sum;
+        row_m[r] = m_new;
+#pragma unroll
+        for (int c = 0; c < NC; ++c) o[r][c] *= correction;
+      }
+      if (write_probs) continue;  // pass 1 of the probabilities: the lse only
+
+      // Dropout zeroes probabilities after they entered the row sum l.
+      __syncthreads();  // the previous tile's P V is done with sm.p
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + ty + C::kTy * r;
+        unsigned keep = 0xfu;
+        if (drop.on && i < p.L && j0 + 4 * tx < p.S) keep = keep_bits(p, drop.seed, drop.threshold, b, h, i, j0 + 4 * tx);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sm.p[ty + C::kTy * r][4 * tx + c] = (keep >> c) & 1u ? s[r][c] : T(0);
+      }
+
+      // O += P V, kChunkD keys at a time.
+      const Mat<scalar_t> v = slice<scalar_t>(p.v, p.v_stride, b, hk);
+      for (int kk = 0; kk < C::kBlockN; kk += C::kChunkD) {
+        __syncthreads();
+        load_tile<C::kChunkD, C::kChunkOut, C::kThreads>(&sm.v[0][0], C::kChunkOut, v, j0 + kk, c0,
+                                                         p.S - j0 - kk, p.Ev - c0);
+        __syncthreads();
+        smem_gemm<C::kTy, C::kTx, false, C::kChunkD>(o, &sm.p[0][kk], C::kBlockN + 1, 1, &sm.v[0][0],
+                                                     C::kChunkOut, 1, ty, tx);
+      }
+    }
+
+    // lse (natural log; -inf for a row that saw no key) and out = O / l.
+    T* lse = static_cast<T*>(p.lse) + (b * p.Hq + h) * p.L;
+    T row_lse[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + ty + C::kTy * r;
+      row_lse[r] = row_l[r] > T(0) ? row_m[r] + acc_log(row_l[r]) : neg_inf<T>();
+      if (i < p.L && chunk == 0 && tx == 0) lse[i] = row_lse[r];
+    }
+    if (!write_probs) {
+      scalar_t* out = static_cast<scalar_t*>(p.out) + b * p.o_stride[0] + h * p.o_stride[1];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + ty + C::kTy * r;
+        if (i >= p.L) continue;
+        const T inv = row_l[r] > T(0) ? drop.keep_scale / row_l[r] : T(0);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const int64_t col = c0 + tx + C::kTx * c;
+          if (col < p.Ev) out[i * p.o_stride[2] + col * p.o_stride[3]] = from_acc<scalar_t>(o[r][c] * inv);
+        }
+      }
+      continue;
+    }
+
+    // Pass 2 of the probabilities: P = exp(S - lse), dropped, over all S keys.
+    scalar_t* probs = static_cast<scalar_t*>(p.probs) + b * p.probs_stride[0] + h * p.probs_stride[1];
+    for (int64_t j0 = 0; j0 < p.S; j0 += C::kBlockN) {
+      T s[R][4];
+      if (j0 < kv_end) {
+        product_tile(s, sm.prod, q, i0, p.L - i0, k, j0, p.S - j0, p.E, ty, tx);
+        mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+      } else {
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) s[r][c] = neg_inf<T>();
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + ty + C::kTy * r;
+        const int64_t j = j0 + 4 * tx;
+        if (i >= p.L || j >= p.S) continue;
+        unsigned keep = 0xfu;
+        if (drop.on) keep = keep_bits(p, drop.seed, drop.threshold, b, h, i, j);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          if (j + c >= p.S) break;
+          T prob = row_lse[r] == neg_inf<T>() ? T(0) : acc_exp(s[r][c] - row_lse[r]);
+          prob = (keep >> c) & 1u ? prob * drop.keep_scale : T(0);
+          probs[i * p.probs_stride[2] + (j + c) * p.probs_stride[3]] = from_acc<scalar_t>(prob);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward
+//   delta_i = rowsum(dO * O) - dlse_i  (rowsum(dprobs * probs) - dlse_i for the probabilities)
+//   P = exp(S - lse), Z = P * keep / (1 - p), dP = (dO V^T or dprobs) * keep / (1 - p)
+//   dS = P * (dP - delta);  dV = Z^T dO, dK = scale dS^T Q, dQ = scale dS K, dmask += dS
+// ---------------------------------------------------------------------------
+
+// (1) delta, one warp per (b, h, i) row.
+template <typename scalar_t>
+__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+    backward_delta_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+  using T = acc_t<scalar_t>;
+  constexpr int kWarps = Tiles<T>::kThreads / 32;
+  const int lane = threadIdx.x % 32;
+  const bool from_probs = p.dprobs != nullptr;
+  const int64_t n_rows = p.B * p.Hq * p.L;
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < n_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t i = row % p.L, h = (row / p.L) % p.Hq, b = row / (p.L * p.Hq);
+    T d = T(0);
+    if (from_probs) {
+      const Mat<scalar_t> z = slice<scalar_t>(p.probs, p.probs_stride, b, h);
+      const Mat<scalar_t> dz = slice<scalar_t>(p.dprobs, p.dprobs_stride, b, h);
+      for (int64_t j = lane; j < p.S; j += 32) d += to_acc(z.ptr[i * z.rs + j * z.cs]) * to_acc(dz.ptr[i * dz.rs + j * dz.cs]);
+    } else {
+      const Mat<scalar_t> o = slice<scalar_t>(p.out, p.o_stride, b, h);
+      const Mat<scalar_t> dout = slice<scalar_t>(p.dout, p.do_stride, b, h);
+      for (int64_t e = lane; e < p.Ev; e += 32) d += to_acc(o.ptr[i * o.rs + e * o.cs]) * to_acc(dout.ptr[i * dout.rs + e * dout.cs]);
+    }
+    d = group_sum<32>(d);
+    if (lane == 0) {
+      if (p.dlse != nullptr) d -= static_cast<const T*>(p.dlse)[row];
+      static_cast<T*>(ws.delta)[row] = d;
+    }
+  }
+}
+
+// Z and dS of the (query tile i0, key tile j0) pair of head (b, h), in the
+// score tile layout, given the rows' lse and delta (-inf / 0 past L).
+template <typename T, typename scalar_t>
+__device__ __forceinline__ void backward_tile(const AttnBwdParams& p, const Dropout<T>& drop, ProductSmem<T>& sm,
+                                              int64_t b, int64_t h, int64_t i0, int64_t j0,
+                                              const T (&row_lse)[Tiles<T>::kRows],
+                                              const T (&row_delta)[Tiles<T>::kRows], T (&z)[Tiles<T>::kRows][4],
+                                              T (&ds)[Tiles<T>::kRows][4], int ty, int tx) {
+  using C = Tiles<T>;
+  constexpr int R = C::kRows;
+  const int64_t hk = h / (p.Hq / p.Hkv);
+  T s[R][4], dp[R][4];
+  product_tile(s, sm, slice<scalar_t>(p.q, p.q_stride, b, h), i0, p.L - i0, slice<scalar_t>(p.k, p.k_stride, b, hk),
+               j0, p.S - j0, p.E, ty, tx);
+  mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+  if (p.dprobs != nullptr) {  // the gradient of the explicit probabilities is given
+    const Mat<scalar_t> dz = slice<scalar_t>(p.dprobs, p.dprobs_stride, b, h);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t i = i0 + ty + C::kTy * r;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int64_t j = j0 + 4 * tx + c;
+        dp[r][c] = i < p.L && j < p.S ? to_acc(dz.ptr[i * dz.rs + j * dz.cs]) : T(0);
+      }
+    }
+  } else {  // dP = dO V^T
+    product_tile(dp, sm, slice<scalar_t>(p.dout, p.do_stride, b, h), i0, p.L - i0,
+                 slice<scalar_t>(p.v, p.v_stride, b, hk), j0, p.S - j0, p.Ev, ty, tx);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int64_t i = i0 + ty + C::kTy * r;
+    unsigned keep = 0xfu;
+    if (drop.on && i < p.L && j0 + 4 * tx < p.S) keep = keep_bits(p, drop.seed, drop.threshold, b, h, i, j0 + 4 * tx);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      // A row with lse = -inf saw no key: no probability, no gradient.
+      const T prob = row_lse[r] == neg_inf<T>() ? T(0) : acc_exp(s[r][c] - row_lse[r]);
+      const bool kept = (keep >> c) & 1u;
+      z[r][c] = kept ? prob * drop.keep_scale : T(0);
+      const T dprob = kept ? dp[r][c] * drop.keep_scale : T(0);
+      ds[r][c] = prob == T(0) ? T(0) : prob * (dprob - row_delta[r]);
+    }
+  }
+}
+
+// out[r * D + c] += alpha * sum_{k < KDIM} A(r, k) X(x_r0 + k, c) for the
+// ROWS rows of an owned, contiguous (rows_valid, D) slice of a workspace
+// accumulator, kChunkOut columns at a time. A is a shared-memory tile
+// (A(r, k) = a[r * a_r + k * a_k]); X rows come from global memory.
+template <int ROWS, int KDIM, typename T, typename scalar_t>
+__device__ __forceinline__ void accumulate_product(T* out, int64_t rows_valid, int64_t D, T alpha, const T* a,
+                                                   int a_r, int a_k, Mat<scalar_t> x, int64_t x_r0,
+                                                   int64_t x_rows_valid, T* xs) {
+  using C = Tiles<T>;
+  constexpr int NR = ROWS / C::kOutTy, NC = C::kChunkOut / C::kOutTx;
+  const int tx = threadIdx.x % C::kOutTx, ty = threadIdx.x / C::kOutTx;
+  for (int64_t c0 = 0; c0 < D; c0 += C::kChunkOut) {
+    __syncthreads();  // the previous chunk is done with xs
+    load_tile<KDIM, C::kChunkOut, C::kThreads>(xs, C::kChunkOut, x, x_r0, c0, x_rows_valid, D - c0);
+    __syncthreads();
+    T acc[NR][NC];
+#pragma unroll
+    for (int r = 0; r < NR; ++r)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) acc[r][c] = T(0);
+    smem_gemm<C::kOutTy, C::kOutTx, false, KDIM>(acc, a, a_r, a_k, xs, C::kChunkOut, 1, ty, tx);
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      const int64_t row = ty + C::kOutTy * r;
+      if (row >= rows_valid) continue;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const int64_t col = c0 + tx + C::kOutTx * c;
+        if (col < D) out[row * D + col] += alpha * acc[r][c];
+      }
+    }
+  }
+}
+
+template <typename T>
+struct BackwardSmem {
+  ProductSmem<T> prod;
+  T z[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];   // Z of the current tile pair
+  T ds[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];  // dS of the current tile pair
+  T x[std::max(Tiles<T>::kBlockM, Tiles<T>::kBlockN)][Tiles<T>::kChunkOut];  // Q / dO / K rows, one chunk
+};
+
+// Loads the lse and delta of the rows i0 + ty + kTy * r (-inf and 0 past L).
+template <typename T>
+__device__ __forceinline__ void load_row_stats(const AttnBwdParams& p, const BwdWorkspace& ws, int64_t b, int64_t h,
+                                               int64_t i0, int ty, T (&row_lse)[Tiles<T>::kRows],
+                                               T (&row_delta)[Tiles<T>::kRows]) {
+  using C = Tiles<T>;
+  const int64_t base = (b * p.Hq + h) * p.L;
+#pragma unroll
+  for (int r = 0; r < C::kRows; ++r) {
+    const int64_t i = i0 + ty + C::kTy * r;
+    row_lse[r] = i < p.L ? static_cast<const T*>(p.lse)[base + i] : neg_inf<T>();
+    row_delta[r] = i < p.L ? static_cast<const T*>(ws.delta)[base + i] : T(0);
+  }
+}
+
+// Writes a score-layout tile into a (kBlockM, kBlockN + 1) shared-memory tile.
+template <typename T>
+__device__ __forceinline__ void store_score_tile(T (*dst)[Tiles<T>::kBlockN + 1], const T (&t)[Tiles<T>::kRows][4],
+                                                 int ty, int tx) {
+  using C = Tiles<T>;
+#pragma unroll
+  for (int r = 0; r < C::kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dst[ty + C::kTy * r][4 * tx + c] = t[r][c];
+}
+
+// (2) dK and dV: one block per (b, h, key tile), looping over the query tiles.
+template <typename scalar_t>
+__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+    backward_dkdv_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+  using T = acc_t<scalar_t>;
+  using C = Tiles<T>;
+  constexpr int R = C::kRows;
+  __shared__ BackwardSmem<T> sm;
+
+  const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
+  const bool from_probs = p.dprobs != nullptr;
+  const Dropout<T> drop(p);
+  const T scale = static_cast<T>(p.scale);
+  const int64_t n_ktiles = ceil_div(p.S, C::kBlockN);
+  const int64_t n_tasks = p.B * p.Hq * n_ktiles;
+
+  for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+    const int64_t kt = task % n_ktiles;
+    const int64_t h = (task / n_ktiles) % p.Hq;
+    const int64_t b = task / (n_ktiles * p.Hq);
+    const int64_t j0 = kt * C::kBlockN;
+    // This block owns rows [j0, j0 + kBlockN) of dk_accum / dv_accum for query head h.
+    T* dk = static_cast<T*>(ws.dk_accum) + ((b * p.Hq + h) * p.S + j0) * p.E;
+    T* dv = from_probs ? nullptr : static_cast<T*>(ws.dv_accum) + ((b * p.Hq + h) * p.S + j0) * p.Ev;
+
+    for (int64_t i0 = 0; i0 < p.L; i0 += C::kBlockM) {
+      if (causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1) <= j0) continue;  // no row sees these keys
+      T row_lse[R], row_delta[R], z[R][4], ds[R][4];
+      load_row_stats(p, ws, b, h, i0, ty, row_lse, row_delta);
+      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, ty, tx);
+      __syncthreads();  // the previous query tile is done with sm.z / sm.ds
+      store_score_tile(sm.z, z, ty, tx);
+      store_score_tile(sm.ds, ds, ty, tx);
+      // dV += Z^T dO ; dK += scale dS^T Q   (A(r = key, k = query) = tile[k][r])
+      if (!from_probs)
+        accumulate_product<C::kBlockN, C::kBlockM>(dv, p.S - j0, p.Ev, T(1), &sm.z[0][0], 1, C::kBlockN + 1,
+                                                   slice<scalar_t>(p.dout, p.do_stride, b, h), i0, p.L - i0,
+                                                   &sm.x[0][0]);
+      accumulate_product<C::kBlockN, C::kBlockM>(dk, p.S - j0, p.E, scale, &sm.ds[0][0], 1, C::kBlockN + 1,
+                                                 slice<scalar_t>(p.q, p.q_stride, b, h), i0, p.L - i0,
+                                                 &sm.x[0][0]);
+    }
+  }
+}
+
+// (3) dQ and the mask's gradient: one block per (b, h, query tile), looping over the key tiles.
+template <typename scalar_t>
+__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+    backward_dq_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+  using T = acc_t<scalar_t>;
+  using C = Tiles<T>;
+  constexpr int R = C::kRows;
+  __shared__ BackwardSmem<T> sm;
+
+  const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
+  const Dropout<T> drop(p);
+  const T scale = static_cast<T>(p.scale);
+  const int64_t group = p.Hq / p.Hkv;
+  const int64_t n_qtiles = ceil_div(p.L, C::kBlockM);
+  const int64_t n_tasks = p.B * p.Hq * n_qtiles;
+  T* dmask = static_cast<T*>(p.dmask);
+
+  for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
+    const int64_t qt = task % n_qtiles;
+    const int64_t h = (task / n_qtiles) % p.Hq;
+    const int64_t b = task / (n_qtiles * p.Hq);
+    const int64_t i0 = qt * C::kBlockM;
+    const int64_t kv_end = causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1);
+    // This block owns rows [i0, i0 + kBlockM) of dq_accum for head h.
+    T* dq = static_cast<T*>(ws.dq_accum) + ((b * p.Hq + h) * p.L + i0) * p.E;
+    T row_lse[R], row_delta[R];
+    load_row_stats(p, ws, b, h, i0, ty, row_lse, row_delta);
+
+    for (int64_t j0 = 0; j0 < kv_end; j0 += C::kBlockN) {
+      T z[R][4], ds[R][4];
+      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, ty, tx);
+      if (dmask != nullptr) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t i = i0 + ty + C::kTy * r;
+          if (i >= p.L) continue;
+          T* dm = dmask + b * p.dmask_stride[0] + h * p.dmask_stride[1] + i * p.dmask_stride[2];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int64_t j = j0 + 4 * tx + c;
+            if (j < p.S && ds[r][c] != T(0)) atomicAdd(dm + j * p.dmask_stride[3], ds[r][c]);
+          }
+        }
+      }
+      __syncthreads();  // the previous key tile is done with sm.ds
+      store_score_tile(sm.ds, ds, ty, tx);
+      // dQ += scale dS K   (A(r = query, k = key) = ds[r][k])
+      accumulate_product<C::kBlockM, C::kBlockN>(dq, p.L - i0, p.E, scale, &sm.ds[0][0], C::kBlockN + 1, 1,
+                                                 slice<scalar_t>(p.k, p.k_stride, b, h / group), j0, p.S - j0,
+                                                 &sm.x[0][0]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Launchers
+// ---------------------------------------------------------------------------
+template <typename Fn>
+void dispatch_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::Float16: fn(__half{}); break;
+    case DType::BFloat16: fn(__nv_bfloat16{}); break;
+    case DType::Float32: fn(float{}); break;
+    case DType::Float64: fn(double{}); break;
+  }
+}
+
+template <typename scalar_t>
+void launch_forward(const AttnParams& p, cudaStream_t stream) {
+  using C = Tiles<acc_t<scalar_t>>;
+  const int64_t n_chunks = p.probs != nullptr ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
+  const int64_t n_tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * n_chunks;
+  forward_kernel<scalar_t><<<grid_for(n_tasks), C::kThreads, 0, stream>>>(p);
+}
+
+template <typename scalar_t>
+void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  using C = Tiles<acc_t<scalar_t>>;
+  const int64_t n_rows = p.B * p.Hq * p.L;
+  backward_delta_kernel<scalar_t><<<grid_for(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, ws);
+  if (p.S == 0) return;  // no key: every gradient is 0 (the workspace is zeroed)
+  backward_dkdv_kernel<scalar_t><<<grid_for(p.B * p.Hq * ceil_div(p.S, C::kBlockN)), C::kThreads, 0, stream>>>(p, ws);
+  backward_dq_kernel<scalar_t><<<grid_for(p.B * p.Hq * ceil_div(p.L, C::kBlockM)), C::kThreads, 0, stream>>>(p, ws);
+}
+
+}  // namespace
+
+void forward_generic(const AttnParams& params, cudaStream_t stream) {
+  if (params.B == 0 || params.Hq == 0 || params.L == 0) return;  // nothing to write
+  dispatch_dtype(params.dtype, [&](auto tag) { launch_forward<decltype(tag)>(params, stream); });
+}
+
+void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
+  if (params.B == 0 || params.Hq == 0 || params.L == 0) return;  // the zeroed workspace is the answer
+  dispatch_dtype(params.dtype, [&](auto tag) { launch_backward<decltype(tag)>(params, ws, stream); });
+}
+
+}  // namespace attn_ext::cuda

@@ -1,0 +1,40 @@
+// attn_ext: the CUDA kernels' entry points, called by the host code in
+// attention_cuda.cpp. Torch-free: .cu files include only this, attention.h,
+// attention_math.h and CUDA headers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../attention.h"
+
+namespace attn_ext::cuda {
+
+// Scratch of the backward, allocated by the host (torch's caching allocator)
+// in the accumulation dtype (float32; float64 for float64 inputs), zeroed.
+// The host casts the accumulators to the outputs afterwards and, for
+// grouped-query attention, sums dk/dv over the query heads of each group.
+struct BwdWorkspace {
+  void* dq_accum = nullptr;  // (B, Hq, L, E) contiguous
+  void* dk_accum = nullptr;  // (B, Hq, S, E) contiguous, one slice per query head
+  void* dv_accum = nullptr;  // (B, Hq, S, Ev) contiguous; unused for the probabilities' backward
+  void* delta = nullptr;     // (B, Hq, L) contiguous: rowsum(dO * O) (or rowsum(dprobs * probs)) - dlse
+};
+// The mask's gradient goes to params.dmask (accumulation dtype, read through
+// params.dmask_stride, which is 0 on broadcast dims): CUDA kernels add into it
+// atomically; dmask_per_thread is always false on CUDA.
+
+// The generic kernels: every dtype (float16/bfloat16 accumulate in float32),
+// any head dims, every feature: masks, causal, dropout, GQA, the explicit
+// probabilities (params.probs / params.dprobs set). Any strides.
+void forward_generic(const AttnParams& params, cudaStream_t stream);
+void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream);
+
+// The tensor-core kernels (FlashAttention-2 style): float16/bfloat16 on
+// sm80+, E == Ev in the supported set, out/lse only (not the probabilities).
+// Returns nullptr when they can run `params` on a device of compute
+// capability (sm_major, sm_minor), else the reason why not, in words.
+const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int sm_minor);
+void forward_tensor_core(const AttnParams& params, cudaStream_t stream);
+void backward_tensor_core(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream);
+
+}  // namespace attn_ext::cuda

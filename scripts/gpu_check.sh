@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# attn_ext's checks on a machine with an NVIDIA GPU, in one command:
+#
+#   1. what the build holds and which GPU runs it (python -m attn_ext info);
+#   2. the whole test suite (CUDA variants included: they skip only without a GPU);
+#   3. compute-sanitizer memcheck and racecheck on a short selection of small
+#      CUDA cases (forward, backward, probabilities, dropout; generic and
+#      tensor-core kernels), each a few minutes at most;
+#   then a summary table. Exit status 0 iff every step passed.
+#
+# The caller has built attn_ext (pip install --no-build-isolation --no-deps -e .);
+# run from anywhere: scripts/gpu_check.sh
+#
+# Environment:
+#   PYTHON            the interpreter with torch and attn_ext (default: python)
+#   SANITIZER_TOOLS   compute-sanitizer tools to run (default: "memcheck racecheck";
+#                     synccheck and initcheck work too)
+#   SKIP_SUITE=1      skip step 2 (only the sanitizer runs)
+#   STEP_TIMEOUT      seconds each sanitizer run may take (default 600)
+
+set -u
+set -o pipefail
+
+cd "$(dirname "$0")/.." || exit 2
+PYTHON=${PYTHON:-python}
+TOOLS=${SANITIZER_TOOLS:-memcheck racecheck}
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}
+LOG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/attn_ext_gpu_check.XXXXXX")
+
+declare -a SUMMARY=()
+FAILED=0
+
+say() { printf '\n=== %s\n' "$*"; }
+
+# run_step NAME COMMAND...: runs COMMAND, logs its output to $LOG_DIR, records pass/fail and time.
+run_step() {
+  local name=$1
+  shift
+  local log="$LOG_DIR/${name//[^A-Za-z0-9_.-]/_}.log"
+  say "$name: $*"
+  local start=$SECONDS
+  "$@" 2>&1 | tee "$log"
+  local rc=$?
+  local took=$((SECONDS - start))
+  if [ "$rc" -eq 0 ]; then
+    SUMMARY+=("$(printf '%-28s %-6s %5ss' "$name" PASS "$took")")
+  else
+    FAILED=$((FAILED + 1))
+    SUMMARY+=("$(printf '%-28s %-6s %5ss  exit %s, log %s' "$name" FAIL "$took" "$rc" "$log")")
+  fi
+  return 0
+}
+
+# --- preconditions ------------------------------------------------------------
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_check: torch sees no CUDA device with $PYTHON (torch.cuda.is_available() is False, or torch is missing)" >&2
+  exit 2
+fi
+if ! "$PYTHON" -c 'import attn_ext' 2>"$LOG_DIR/import.log"; then
+  echo "gpu_check: attn_ext does not import with $PYTHON; build it first with" >&2
+  echo "  pip install --no-build-isolation --no-deps -e .   (see $LOG_DIR/import.log)" >&2
+  cat "$LOG_DIR/import.log" >&2
+  exit 2
+fi
+if ! "$PYTHON" -c 'import attn_ext._build as b, sys; sys.exit(0 if (b.built_for() or {}).get("cuda", "none") != "none" else 1)'; then
+  echo "gpu_check: this attn_ext build has no CUDA kernels (built CPU-only: was nvcc found? ATTN_EXT_CPU_ONLY set?)" >&2
+  exit 2
+fi
+
+run_step "info" "$PYTHON" -m attn_ext info
+run_step "tensor-core routing" "$PYTHON" - <<'EOF'
+# Which kernels typical calls take on this GPU (tensor_core_reason: "" = tensor cores).
+import torch
+import attn_ext  # noqa: F401
+op = torch.ops.attn_ext.tensor_core_reason
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for E in (64, 80, 128):
+        q = torch.randn(1, 2, 8, E, device="cuda", dtype=dtype)
+        why = op(q, q, q)
+        print(f"  {str(dtype):15s} E={E:<4d} {'tensor cores' if not why else 'generic: ' + why}")
+EOF
+
+# --- the whole suite ------------------------------------------------------------
+if [ "${SKIP_SUITE:-0}" = "1" ]; then
+  SUMMARY+=("$(printf '%-28s %-6s' "test suite" SKIPPED)")
+else
+  run_step "test suite" "$PYTHON" -m pytest -q -rs tests
+fi
+
+# --- compute-sanitizer on small CUDA cases --------------------------------------
+SANITIZER=$(command -v compute-sanitizer || true)
+for candidate in "${CUDA_HOME:-}" /usr/local/cuda; do
+  if [ -z "$SANITIZER" ] && [ -n "$candidate" ] && [ -x "$candidate/bin/compute-sanitizer" ]; then
+    SANITIZER="$candidate/bin/compute-sanitizer"
+  fi
+done
+
+# Small shapes only: every kernel runs 10-1000x slower under the sanitizer.
+# float32/float64 run the generic kernels; bfloat16/float16 at E = 64 the
+# tensor-core ones (odd sizes: partial tiles); E = 80 in half precision falls back.
+SELECTIONS=(
+  "tests/test_sdpa_forward.py::-k cuda and (B2H3L17S17E16Ev16 or B1H4L9S23E16Ev40 or B2H2L17S129E64Ev64 or B1H2L129S17E80Ev80)"
+  "tests/test_sdpa_forward.py::-k cuda and float32 and test_forward_causal_combined_with_mask and L17S29"
+  "tests/test_sdpa_backward.py::-k cuda and (plain or gqa_causal_float_mask or causal_and_bool_mask) and not large"
+  "tests/test_probs.py::-k cuda and test_probs_backward_matches_reference"
+  "tests/test_dropout.py::-k cuda and float32 and test_dropout_forward_and_grads_match_reference_with_recovered_mask and 0.2 and (plain or gqa)"
+)
+
+if [ -z "$SANITIZER" ]; then
+  echo "gpu_check: compute-sanitizer not found (looked on PATH, \$CUDA_HOME/bin, /usr/local/cuda/bin): sanitizer runs skipped" >&2
+  SUMMARY+=("$(printf '%-28s %-6s' "compute-sanitizer" MISSING)")
+  FAILED=$((FAILED + 1))
+else
+  for tool in $TOOLS; do
+    for sel in "${SELECTIONS[@]}"; do
+      file=${sel%%::*}
+      kexpr=${sel#*::-k }
+      # memcheck sees out-of-bounds accesses only at the edge of an allocation: no caching allocator.
+      run_step "$tool $(basename "$file" .py)" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        timeout "$STEP_TIMEOUT" "$SANITIZER" --tool "$tool" --error-exitcode 99 --print-limit 20 \
+        "$PYTHON" -m pytest -q -x -p no:cacheprovider "$file" -k "$kexpr"
+    done
+  done
+fi
+
+# --- summary ----------------------------------------------------------------------
+say "summary (logs in $LOG_DIR)"
+for line in "${SUMMARY[@]}"; do echo "  $line"; done
+if [ "$FAILED" -eq 0 ]; then
+  echo "gpu_check: all steps passed"
+  exit 0
+fi
+echo "gpu_check: $FAILED step(s) failed"
+exit 1

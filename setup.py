@@ -85,6 +85,30 @@ extra_compile_args = {"cxx": cxx_flags}
 include_dirs = [os.path.join(ROOT, "csrc")]
 define_macros = []
 
+
+def _libstdcxx_link_args():
+    """Link the libstdc++.so.6 that this process (torch) runs with, by its path.
+
+    Some g++ toolchains link libstdc++ into shared libraries statically (a
+    -static-libstdc++ spec, or no libstdc++.so beside the compiler; the GPU
+    machines' /opt/gcc/bin/g++ with torch 2.11 is one). _C.so then carries a
+    second libstdc++ whose iostreams crash (SIGSEGV in ostream::operator<<) on
+    the process's locale the first time an error message is formatted. Naming
+    the loaded shared library ahead of the driver's own -lstdc++ resolves every
+    libstdc++ symbol to it; elsewhere this is what -lstdc++ does anyway."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libstdc++.so" in line}
+    except OSError:  # not Linux
+        return []
+    for path in sorted(paths):
+        if os.path.isfile(path):
+            return [path]
+    return []
+
+
+link_args = ["-fopenmp"] + _libstdcxx_link_args()
+
 if with_cuda:
     extra_compile_args["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]
     define_macros.append(("ATTN_EXT_WITH_CUDA", None))
@@ -95,12 +119,12 @@ if with_cuda:
             include_dirs.append(inc)
     ext = CUDAExtension(
         "attn_ext._C", cpu_sources + cuda_sources, include_dirs=include_dirs, define_macros=define_macros,
-        extra_compile_args=extra_compile_args, extra_link_args=["-fopenmp"],
+        extra_compile_args=extra_compile_args, extra_link_args=link_args,
     )
 else:
     ext = CppExtension(
         "attn_ext._C", cpu_sources, include_dirs=include_dirs, define_macros=define_macros,
-        extra_compile_args=extra_compile_args, extra_link_args=["-fopenmp"],
+        extra_compile_args=extra_compile_args, extra_link_args=link_args,
     )
 
 

@@ -247,6 +247,13 @@ def torch_sdpa(query, key, value, attn_mask=None, is_causal=False, scale=None,
         )
     else:
         mask = torch_equivalent_mask(attn_mask, is_causal, causal_alignment, L, S, query.device)
+        if mask is not None and query.is_cuda:
+            # PyTorch's CUDA backends mishandle broadcast masks: with an (L, 1) or
+            # (1, 1, 1, 1) mask, torch 2.11's cuDNN kernel reads out of alignment
+            # ("misaligned address", seen under compute-sanitizer on an H200) and the
+            # efficient kernel refuses a stride-0 last dim. The baseline gets the
+            # same mask materialised, which every backend takes.
+            mask = mask.expand(*query.shape[:-2], L, S).contiguous()
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
         )

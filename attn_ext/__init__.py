@@ -3,10 +3,21 @@
 Public API:
     scaled_dot_product_attention   drop-in for torch.nn.functional.scaled_dot_product_attention
     attention_probs                the explicit attention probabilities, differentiable
+    MultiHeadAttention             drop-in for torch.nn.MultiheadAttention (+ num_kv_heads, KVCache)
+    KVCache                        keys/values of past tokens for incremental decoding
+    convert_attention              swap every torch.nn.MultiheadAttention in a model for ours
 """
 
+from .modules import KVCache, MultiHeadAttention, convert_attention
 from .ops import attention_probs, scaled_dot_product_attention
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_dot_product_attention", "attention_probs", "__version__"]
+__all__ = [
+    "scaled_dot_product_attention",
+    "attention_probs",
+    "MultiHeadAttention",
+    "KVCache",
+    "convert_attention",
+    "__version__",
+]

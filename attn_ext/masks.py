@@ -50,3 +50,77 @@ def sdpa_mask(attn_mask, batch_shape, num_heads, L, S, has_head_dim):
     tail = tuple(mask.shape[-3:])
     mask = mask.reshape((1,) * (len(full) - mask.dim()) + tuple(mask.shape))
     return mask.expand(*batch_shape, *tail).reshape(-1, *tail)
+
+
+def _check_mask_dtype(mask, name):
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"{name} must be bool or floating point, got {mask.dtype}")
+
+
+def _additive(mask, dtype):
+    """A float additive mask in ``dtype``: bool True (= masked, nn.MultiheadAttention's polarity) -> -inf."""
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dtype):
+    """The kernel's mask for ``torch.nn.MultiheadAttention``'s mask conventions.
+
+    nn.MultiheadAttention's masks say what may NOT be attended: a bool True
+    masks a position out, a float is added to the scores. This turns its two
+    masks into the one mask the kernels take (bool True = may attend, or
+    additive float), as a view where a view suffices.
+
+    Args:
+        attn_mask: None, ``(L, S)`` or ``(batch * num_heads, L, S)``; bool or float.
+        key_padding_mask: None or ``(batch, S)``; bool (True = padding) or float.
+        batch, num_heads, L, S: the problem (S counts the keys the caller projected).
+        extra_keys: keys appended after those S (``bias_k``, the zero key of
+            ``add_zero_attn``): every query sees them, as in PyTorch.
+        dtype: the query's dtype; float masks are cast to it.
+
+    Returns:
+        None, or a mask broadcastable to ``(batch, num_heads, L, S + extra_keys)``:
+        bool (True = may attend) when both masks are bool or only one is given
+        as bool, else the sum of both as additive float in ``dtype``.
+    """
+    parts = []
+    if attn_mask is not None:
+        _check_mask_dtype(attn_mask, "attn_mask")
+        if attn_mask.dim() == 2:
+            if tuple(attn_mask.shape) != (L, S):
+                raise RuntimeError(f"the 2-D attn_mask must have shape {_fmt((L, S))}, got {_fmt(tuple(attn_mask.shape))}")
+            parts.append(attn_mask)
+        elif attn_mask.dim() == 3:
+            want = (batch * num_heads, L, S)
+            if tuple(attn_mask.shape) != want:
+                raise RuntimeError(
+                    f"the 3-D attn_mask must have shape (batch * num_heads, L, S) = {_fmt(want)}, "
+                    f"got {_fmt(tuple(attn_mask.shape))}"
+                )
+            parts.append(attn_mask.reshape(batch, num_heads, L, S))
+        else:
+            raise RuntimeError(f"attn_mask must be 2-D (L, S) or 3-D (batch * num_heads, L, S), "
+                               f"got shape {_fmt(tuple(attn_mask.shape))}")
+    if key_padding_mask is not None:
+        _check_mask_dtype(key_padding_mask, "key_padding_mask")
+        if tuple(key_padding_mask.shape) != (batch, S):
+            raise RuntimeError(f"key_padding_mask must have shape (batch, S) = {_fmt((batch, S))}, "
+                               f"got {_fmt(tuple(key_padding_mask.shape))}")
+        parts.append(key_padding_mask.reshape(batch, 1, 1, S))
+    if not parts:
+        return None
+    if all(p.dtype == torch.bool for p in parts):
+        mask = ~parts[0] if len(parts) == 1 else ~parts[0] & ~parts[1]
+        pad = torch.ones if extra_keys else None
+    else:
+        mask = _additive(parts[0], dtype)
+        if len(parts) == 2:
+            mask = mask + _additive(parts[1], dtype)
+        pad = torch.zeros if extra_keys else None
+    if pad is not None:
+        mask = torch.cat([mask, pad(*mask.shape[:-1], extra_keys, dtype=mask.dtype, device=mask.device)], dim=-1)
+    return mask

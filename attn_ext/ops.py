@@ -264,3 +264,19 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
     call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
     probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
     return call.unflatten(probs)
+
+
+def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                        enable_gqa=False, *, causal_alignment="top_left"):
+    """``(scaled_dot_product_attention(...), attention_probs(...))`` with one dropout draw.
+
+    The output comes from the fused kernel and the probabilities from the
+    probabilities kernel, both seeded with the same Philox seed, so the dropped
+    probabilities are the ones the output used: ``probs @ value`` equals ``out``.
+    For ``MultiHeadAttention(need_weights=True)``. Arguments as for
+    :func:`scaled_dot_product_attention`.
+    """
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    out, _ = torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())
+    probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
+    return call.unflatten(out), call.unflatten(probs)

@@ -21,7 +21,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel tqdm matplotlib
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)

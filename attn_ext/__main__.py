@@ -12,6 +12,52 @@ import time
 import torch
 
 
+_ISA_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+
+
+def _cpu_kernel_lines(lib):
+    """One line per compiled CPU instruction set: usable here, or why not."""
+    cpu = torch.backends.cpu.get_cpu_capability()
+    active = lib.get("cpu_isa_active")
+    lines = []
+    for isa in (lib.get("cpu_isas") or "DEFAULT").split():
+        if isa == active:
+            state = "usable, running"
+        elif _ISA_RANK.get(cpu, 0) >= _ISA_RANK.get(isa, 0):
+            state = "usable (a wider one runs)" if _ISA_RANK.get(isa, 0) < _ISA_RANK.get(active, 0) else \
+                "not used: ATEN_CPU_CAPABILITY caps this process below it"
+        else:
+            state = f"not usable: this CPU's capability is {cpu}"
+        lines.append(f"{isa:<8} {state}")
+    if lib.get("openmp") != "yes":
+        lines.append("warning: built without OpenMP, the kernels run on one thread")
+    return lines
+
+
+def _cuda_kernel_lines(built):
+    """One line per CUDA kernel family: usable on this machine's GPU, or why not."""
+    archs = built.get("cuda_archs", "none")
+    if built.get("cuda", "none") == "none":
+        why = "not built (torch was CPU-only, nvcc was not found, or ATTN_EXT_CPU_ONLY=1)"
+        return [f"generic  {why}", f"tensor   {why}"]
+    if not torch.cuda.is_available():
+        why = f"built for sm {archs}, but no CUDA device is visible here"
+        return [f"generic  {why}", f"tensor   {why}"]
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    compiled = [tuple(int(x) for x in a.split("+")[0].split(".")) for a in archs.split()]
+    runs = any(m == major and n <= minor for m, n in compiled) or any("+PTX" in a for a in archs.split())
+    if not runs:
+        why = f"not usable: built for sm {archs}, {name} is sm {major}.{minor}; rebuild with TORCH_CUDA_ARCH_LIST={major}.{minor}"
+        return [f"generic  {why}", f"tensor   {why}"]
+    lines = [f"generic  usable on {name} (sm {major}.{minor}): float32/float64, any head dim, probabilities"]
+    q = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.float16)
+    why = torch.ops.attn_ext.tensor_core_reason(q, q, q)
+    lines.append("tensor   " + (f"usable on {name}: float16/bfloat16, head dims 32/64/96/128 (E == Ev)"
+                                 if not why else f"not usable: {why}"))
+    return lines
+
+
 def _info(args):
     from . import __version__, _build
 
@@ -20,14 +66,12 @@ def _info(args):
     print(f"attn_ext {__version__}")
     print(f"  built against   torch {built.get('torch')}, CUDA {built.get('cuda')}, CUDA archs {built.get('cuda_archs')}")
     print(f"  running on      torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}")
-    print(f"  CPU kernels     compiled for {lib.get('cpu_isas')}; running {lib.get('cpu_isa_active')}")
-    if built.get("cuda", "none") == "none":
-        why = "this build has no CUDA kernels (torch was CPU-only, nvcc missing, or ATTN_EXT_CPU_ONLY=1)"
-    elif not torch.cuda.is_available():
-        why = "built, but no CUDA device is visible here"
-    else:
-        why = f"usable on {torch.cuda.get_device_name()}"
-    print(f"  CUDA kernels    {why}")
+    print(f"  CPU kernels     compiled for {lib.get('cpu_isas')}; this CPU: {torch.backends.cpu.get_cpu_capability()}")
+    for line in _cpu_kernel_lines(lib):
+        print(f"    {line}")
+    print("  CUDA kernels")
+    for line in _cuda_kernel_lines(built):
+        print(f"    {line}")
     return 0
 
 
@@ -104,7 +148,14 @@ def _check(args):
         return 2
     print(f"attn_ext check on {device}: gradcheck (float64) and float64 reference comparison")
     rows, failed = [], 0
-    for name, cfg in _configs():
+    configs = _configs()
+    try:
+        from tqdm import tqdm
+
+        configs = tqdm(configs, desc="check", unit="config", leave=False, file=sys.stderr)
+    except ImportError:  # tqdm is optional: no progress bar
+        pass
+    for name, cfg in configs:
         t0 = time.perf_counter()
         err, ok_ref, ok_grad = _run_config(cfg, device, torch.float64)
         ok = ok_ref and ok_grad
@@ -119,9 +170,16 @@ def _check(args):
     return 1 if failed else 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad arguments reported in one line (no usage block)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m attn_ext", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m attn_ext", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="what was built and what runs here")
     check = sub.add_parser("check", help="gradcheck + reference comparison, pass/fail table")

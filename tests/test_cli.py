@@ -1,0 +1,43 @@
+"""python -m attn_ext: what info reports, and one-line errors with a non-zero exit for bad input."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _run(*args, timeout=600):
+    proc = subprocess.run([sys.executable, "-m", "attn_ext", *args], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_info_reports_build_runtime_and_every_kernel_family():
+    rc, out, err = _run("info")
+    assert rc == 0, err
+    assert f"running on      torch {torch.__version__}" in out
+    assert "built against   torch" in out
+    for family in ("DEFAULT", "generic", "tensor"):
+        assert family in out, out
+    # every kernel line says usable or why not
+    kernel_lines = [line.strip() for line in out.splitlines() if line.startswith("    ")]
+    assert kernel_lines and all(("usable" in line) or ("not " in line) for line in kernel_lines), out
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["check", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["check", "--devcie", "cpu"], "unrecognized arguments"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
+    rc, out, err = _run(*args)
+    assert rc == 2
+    assert pattern in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_asking_for_a_gpu_without_one_gives_one_line_and_exit_2():
+    rc, out, err = _run("check", "--device", "cuda")
+    assert rc == 2
+    assert "no CUDA device" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

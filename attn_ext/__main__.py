@@ -1,8 +1,11 @@
-"""``python -m attn_ext info | check``.
+"""``python -m attn_ext info | check | bench``.
 
 info   what this build holds (torch/CUDA it was built against, kernels compiled) and what runs here
 check  gradcheck in float64 and the comparison with the float64 reference over a
        representative set of configurations; a pass/fail table, exit 1 on a failure
+bench  attn_ext vs torch SDPA vs the plain softmax(QK^T)V over a sequence-length
+       sweep: a table, JSON (--json) and a PNG plot of GFLOP/s against L (--plot);
+       every option of attn_ext/benchmark/sdpa.py is accepted (--help lists them)
 """
 
 import argparse
@@ -184,8 +187,25 @@ def main(argv=None):
     sub.add_parser("info", help="what was built and what runs here")
     check = sub.add_parser("check", help="gradcheck + reference comparison, pass/fail table")
     check.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    args = parser.parse_args(argv)
+    sub.add_parser("bench", add_help=False, help="side-by-side benchmark with a table, JSON and a plot "
+                                                 "(options: python -m attn_ext bench --help)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return _bench(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return {"info": _info, "check": _check}[args.command](args)
+
+
+# The sweep `bench` runs by default: L = S from 256 to 4096 at B x H = 16, E = 64, causal or not.
+BENCH_SWEEP = ",".join(f"{max(1, 4096 // L)}x4x{L}x64{c}" for c in ("", ":causal") for L in (256, 512, 1024, 2048, 4096))
+
+
+def _bench(rest):
+    from .benchmark import sdpa
+
+    defaults = ["--shapes", BENCH_SWEEP, "--json", "attn_ext_bench.json", "--plot", "attn_ext_bench.png"]
+    return sdpa.main(defaults + rest, prog="python -m attn_ext bench")  # the user's options come last and win
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common  # noqa: E402
+from attn_ext.benchmark import common  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -33,8 +33,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks import common  # noqa: E402
+from attn_ext.benchmark import common  # noqa: E402
 
 TOKENS = 16384
 MODEL_DIM = 2048

@@ -41,3 +41,24 @@ def test_asking_for_a_gpu_without_one_gives_one_line_and_exit_2():
     rc, out, err = _run("check", "--device", "cuda")
     assert rc == 2
     assert "no CUDA device" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_bench_writes_a_table_json_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc, out, err = _run("bench", "--shapes", "1x2x64x16,1x2x128x16,1x2x128x16:causal", "--min-run-time", "0.02",
+                        "--rounds", "1", "--json", str(json_path), "--plot", str(png_path))
+    assert rc == 0, err[-2000:]
+    assert "vs SDPA" in out and "GFLOP/s" in out
+    import json
+
+    results = json.loads(json_path.read_text())["results"]
+    assert {r["impl"] for r in results} == {"ours", "sdpa", "plain"}
+    assert all(r["gflops"] and r["gflops"] > 0 for r in results if r["pass"] != "bwd")
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_bad_shape_gives_one_line_and_exit_2():
+    rc, out, err = _run("bench", "--shapes", "2x2x1xz")
+    assert rc == 2 and "bad shape '2x2x1xz'" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err

@@ -35,6 +35,7 @@ q.grad / k.grad / v.grad, but not the inputs, which exist before the call.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import os
@@ -45,7 +46,6 @@ import sys
 from typing import Callable, Iterable, Sequence
 
 import torch
-import torch.utils.benchmark as torch_benchmark
 
 # ----------------------------------------------------------------------------
 # Shapes and FLOPs
@@ -194,6 +194,8 @@ def time_fn(
     CUDA as well. `num_threads` defaults to torch.get_num_threads() (Timer's
     own default is 1 thread, which is not what we want to measure).
     """
+    import torch.utils.benchmark as torch_benchmark  # lazily: importing it warns on CUDA-less machines
+
     for _ in range(warmup):
         fn()
     timer = torch_benchmark.Timer(
@@ -229,6 +231,8 @@ def time_interleaved(
     what keeps the *ratios* meaningful. A function that raises (during warm-up
     or timing) gets the exception instead of a Timing; the others go on.
     """
+    import torch.utils.benchmark as torch_benchmark  # lazily: importing it warns on CUDA-less machines
+
     results: dict[str, Timing | BaseException] = {}
     timers = {}
     for name, fn in fns.items():
@@ -514,3 +518,41 @@ def fmt(value: float | None, digits: int = 1) -> str:
     if value != value:  # NaN
         return "nan"
     return f"{value:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, with bad arguments reported in one line (no usage block) and exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class _LineProgress:
+    """A stand-in for tqdm: one line per finished item on stderr."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.note = total, desc, 0, ""
+
+    def set_postfix_str(self, text: str) -> None:
+        self.note = text
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        print(f"{self.desc} [{self.n}/{self.total}] {self.note}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str):
+    """A tqdm progress bar on stderr, or a line per item where tqdm is not installed."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _LineProgress(total, desc)
+    return tqdm(total=total, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,5 @@
+"""attn_ext's side-by-side benchmarks (``python -m attn_ext bench``; the scripts in benchmarks/ call these).
+
+common   timing (torch.utils.benchmark, interleaved rounds), peak memory, FLOP counts, tables
+sdpa     attn_ext.scaled_dot_product_attention vs torch SDPA vs the plain softmax(QK^T)V, with plots
+"""

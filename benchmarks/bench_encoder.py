@@ -122,11 +122,8 @@ def run_case(args, L, dtype, causal, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("bench_encoder: --device cuda, but no CUDA device is available", file=sys.stderr)
+    device = common.bench_device(args.device, args.threads, "bench_encoder")
+    if device is None:
         return 2
     info = common.machine_info(device)
     print("TransformerEncoderLayer: attn_ext.MultiHeadAttention vs torch.nn.MultiheadAttention")

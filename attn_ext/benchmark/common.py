@@ -556,3 +556,15 @@ def progress_bar(total: int, desc: str):
     except ImportError:
         return _LineProgress(total, desc)
     return tqdm(total=total, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def bench_device(name: str, threads: int | None, prog: str) -> torch.device | None:
+    """Set torch's thread count (when given) and return the device to benchmark on, or
+    print one line and return None when it is a GPU that is not there."""
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog}: --device {name} asked for, but no CUDA device is available here", file=sys.stderr)
+        return None
+    return device

@@ -492,11 +492,8 @@ def parse_args(argv=None, prog=None):
 
 def main(argv=None, prog=None) -> int:
     args = parse_args(argv, prog)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("attn_ext bench: --device cuda asked for, but no CUDA device is available here", file=sys.stderr)
+    device = common.bench_device(args.device, args.threads, prog or "attn_ext bench")
+    if device is None:
         return 2
     if args.memory_worker:  # child of run_memory_worker
         ours_fn, _ = load_ours(args.impl_under_test, quiet=True)

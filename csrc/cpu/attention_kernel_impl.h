@@ -207,6 +207,50 @@ inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs,
     for (int64_t j = n; j < ld; ++j) dst[d * ld + j] = T(0);
 }
 
+// sum_e a[e] * b[e].
+template <typename T>
+inline T dot_product(const T* a, const T* b, int64_t n) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t VS = Vec::size();
+  Vec acc0(T(0)), acc1(T(0));
+  int64_t e = 0;
+  for (; e + 2 * VS <= n; e += 2 * VS) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + e + VS), Vec::loadu(b + e + VS), acc1);
+  }
+  for (; e + VS <= n; e += VS) acc0 = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc0);
+  T buf[VS];
+  (acc0 + acc1).store(buf);
+  T sum = 0;
+  for (int64_t i = 0; i < VS; ++i) sum += buf[i];
+  for (; e < n; ++e) sum += a[e] * b[e];
+  return sum;
+}
+
+// The score tile st (m, ld) = qt (m, E) K[j0 : j0 + n]^T, K rows at k with strides (rs, cs).
+// Up to kDirectRows query rows (decoding: L = 1) read each key row in place (converted
+// through krow (E) when it is not a contiguous row of T): packing K^T for the
+// micro-kernel would cost more than such a product. More rows pack K^T into kt (E, ld).
+constexpr int64_t kDirectRows = 2;
+
+template <typename scalar_t, typename T>
+inline void score_tile(T* st, int64_t ld, const T* qt, int64_t m, int64_t E, const scalar_t* k, int64_t rs,
+                       int64_t cs, int64_t n, T* kt, T* krow) {
+  if (m > kDirectRows) {
+    pack_transposed(kt, ld, k, rs, cs, n, E);
+    gemm<T>(m, ld, E, T(1), qt, E, 1, kt, ld, false, st, ld);
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* kr = krow;
+    if constexpr (std::is_same_v<scalar_t, T>) {
+      if (cs == 1) kr = k + j * rs;
+    }
+    if (kr == krow) load_row(krow, k + j * rs, E, cs, T(1), E);
+    for (int64_t r = 0; r < m; ++r) st[r * ld + j] = dot_product(qt + r * E, kr, E);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Masking of one row of a score tile. Shared by forward and backward so that
 // they cannot disagree: scores s[0, n) of query row i against keys j0 + j get
@@ -309,6 +353,7 @@ void forward_kernel(const AttnParams& p) {
     std::vector<T> vt(v_direct || write_probs ? 0 : kv_block * Evp);
     std::vector<T> st(q_block * kv_block);
     std::vector<T> ot(write_probs ? 0 : q_block * Evp);
+    std::vector<T> krow(std::max<int64_t>(E, 1));
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
 
@@ -334,7 +379,9 @@ void forward_kernel(const AttnParams& p) {
       for (int64_t j0 = 0; j0 < kv_end; j0 += kv_block) {
         const int64_t n = std::min(kv_block, kv_end - j0);
         const int64_t np = round_up(n, VS);
-        pack_transposed(kt.data(), np, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, E);
+        // S = (scale Q) K^T
+        score_tile(st.data(), np, qt.data(), m, E, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n,
+                   kt.data(), krow.data());
         const T* vtile = vt.data();
         int64_t ldv = Evp;
         if constexpr (std::is_same_v<scalar_t, T>) {
@@ -347,9 +394,6 @@ void forward_kernel(const AttnParams& p) {
           for (int64_t j = 0; j < n; ++j)
             load_row(vt.data() + j * Evp, v_bh + (j0 + j) * p.v_stride[2], Ev, p.v_stride[3], T(1), Evp);
         }
-
-        // S = (scale Q) K^T
-        gemm<T>(m, np, E, T(1), qt.data(), E, 1, kt.data(), np, false, st.data(), np);
 
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
@@ -397,8 +441,8 @@ void forward_kernel(const AttnParams& p) {
         const int64_t n = std::min(kv_block, S - j0);
         const int64_t np = round_up(n, VS);
         if (j0 < kv_end) {
-          pack_transposed(kt.data(), np, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n, E);
-          gemm<T>(m, np, E, T(1), qt.data(), E, 1, kt.data(), np, false, st.data(), np);
+          score_tile(st.data(), np, qt.data(), m, E, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n,
+                     kt.data(), krow.data());
         }
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;

@@ -44,7 +44,7 @@ def _cuda_kernel_lines(built):
         why = "not built (torch was CPU-only, nvcc was not found, or ATTN_EXT_CPU_ONLY=1)"
         return [f"generic  {why}", f"tensor   {why}"]
     if not torch.cuda.is_available():
-        why = f"built for sm {archs}, but no CUDA device is visible here"
+        why = f"not usable here: built for sm {archs}, but no CUDA device is visible"
         return [f"generic  {why}", f"tensor   {why}"]
     major, minor = torch.cuda.get_device_capability()
     name = torch.cuda.get_device_name()

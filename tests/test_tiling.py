@@ -67,3 +67,26 @@ def test_multi_tile_probs_match_reference(device):
     got = attn_ext.attention_probs(q, k, is_causal=True, causal_alignment="bottom_right")
     want = attention_probs_reference(q, k, is_causal=True, causal_alignment="bottom_right")
     assert rel_err(got, want) < TOL
+
+
+# Query blocks of one or two rows (decoding) read each key row in place instead of packing
+# K^T: every dtype, contiguous or strided keys, over several key tiles (S = 600), with the
+# mask, bottom-right causal bound and GQA of a cached decoding step.
+@pytest.mark.parametrize("L", [1, 2, 3])
+@pytest.mark.parametrize("layout", ["contiguous", "strided_last"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float64", "float32", "bfloat16", "float16"])
+def test_decode_rows_match_reference(L, layout, dtype, device):
+    from attn_ext.reference import attention_probs_reference
+
+    from helpers import run_forward_case
+
+    attn_ext = attn_ext_module()
+    S = 600
+    q, k, v = make_qkv(2, 4, 2, L, S, 24, 16, dtype, device, seed=L, layout=layout)
+    mask = make_mask("bool", (2, 1, L, S), dtype, device, seed=L, keep_prob=0.8)
+    kw = dict(attn_mask=mask, is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
+    run_forward_case(q, k, v, **kw)
+    if dtype == torch.float64:
+        got = attn_ext.attention_probs(q, k, **kw)
+        assert rel_err(got, attention_probs_reference(q, k, **kw)) < TOL

@@ -155,7 +155,7 @@ def _check(args):
     try:
         from tqdm import tqdm
 
-        configs = tqdm(configs, desc="check", unit="config", leave=False, file=sys.stderr)
+        configs = tqdm(configs, desc="check", unit="config", leave=False, file=sys.stderr, disable=None)
     except ImportError:  # tqdm is optional: no progress bar
         pass
     for name, cfg in configs:

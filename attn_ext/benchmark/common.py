@@ -555,7 +555,8 @@ def progress_bar(total: int, desc: str):
         from tqdm import tqdm
     except ImportError:
         return _LineProgress(total, desc)
-    return tqdm(total=total, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True)
+    # disable=None: no bar when stderr is not a terminal (logs, CI), only the results.
+    return tqdm(total=total, desc=desc, unit="case", file=sys.stderr, dynamic_ncols=True, disable=None)
 
 
 def bench_device(name: str, threads: int | None, prog: str) -> torch.device | None:

@@ -53,7 +53,7 @@ void copy_strides(int64_t (&dst)[4], const at::Tensor& t) {
   for (int d = 0; d < 4; ++d) dst[d] = t.stride(d);
 }
 
-void check_like_query(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query) {
+static void check_like_query(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query) {
   TORCH_CHECK(t.sizes() == shape, "attn_ext: ", name, " must have shape ", shape_str(shape), ", got ",
               shape_str(t.sizes()));
   TORCH_CHECK(t.scalar_type() == query.scalar_type() && t.device() == query.device(), "attn_ext: ", name,
@@ -66,6 +66,42 @@ void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, con
   TORCH_CHECK(lse.sizes() == shape && lse.scalar_type() == acc && lse.device() == query.device(), "attn_ext: ",
               name, " must be ", acc, " of shape ", shape_str(shape), " on ", query.device(), ", got ",
               lse.scalar_type(), " of shape ", shape_str(lse.sizes()), " on ", lse.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> make_forward_outputs(AttnParams& p, const at::Tensor& query, bool probs) {
+  at::Tensor result = at::empty({p.B, p.Hq, p.L, probs ? p.S : p.Ev}, query.options());
+  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  if (probs) {
+    p.probs = result.data_ptr();
+    copy_strides(p.probs_stride, result);
+  } else {
+    p.out = result.data_ptr();
+    copy_strides(p.o_stride, result);
+  }
+  p.lse = lse.data_ptr();
+  return {result, lse};
+}
+
+void describe_grad_output(AttnBwdParams& p, const at::Tensor& grad_out, const at::Tensor& out,
+                          const at::Tensor& query) {
+  const std::vector<int64_t> shape = {p.B, p.Hq, p.L, p.Ev};
+  check_like_query(grad_out, "grad_out", shape, query);
+  check_like_query(out, "out", shape, query);
+  p.out = const_cast<void*>(out.data_ptr());
+  p.dout = grad_out.data_ptr();
+  copy_strides(p.o_stride, out);
+  copy_strides(p.do_stride, grad_out);
+}
+
+void describe_grad_probs(AttnBwdParams& p, const at::Tensor& grad_probs, const at::Tensor& probs,
+                         const at::Tensor& query) {
+  const std::vector<int64_t> shape = {p.B, p.Hq, p.L, p.S};
+  check_like_query(grad_probs, "grad_probs", shape, query);
+  check_like_query(probs, "probs", shape, query);
+  p.probs = const_cast<void*>(probs.data_ptr());
+  p.dprobs = grad_probs.data_ptr();
+  copy_strides(p.probs_stride, probs);
+  copy_strides(p.dprobs_stride, grad_probs);
 }
 
 AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,

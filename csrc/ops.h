@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <tuple>
 #include <string>
 
 #include <ATen/core/Tensor.h>
@@ -35,10 +36,23 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
 
 // Host helpers shared by the CPU and CUDA operator implementations.
 void copy_strides(int64_t (&dst)[4], const at::Tensor& t);  // t is 4-D
-// t must have `shape` and query's dtype and device; the message names `name`.
-void check_like_query(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& query);
 // A log-sum-exp (or its gradient) for the rows of `p`: accumulation dtype, (B, Hq, L), on query's device.
 void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, const at::Tensor& query);
+
+// The forward's results for `p`, allocated contiguous and described in it: the output
+// (B, Hq, L, Ev) as p.out / p.o_stride, or with `probs` (attention_probs) the
+// probabilities (B, Hq, L, S) as p.probs / p.probs_stride; and the log-sum-exp
+// (B, Hq, L) in the accumulation dtype as p.lse. Returns {output or probs, lse}.
+std::tuple<at::Tensor, at::Tensor> make_forward_outputs(AttnParams& p, const at::Tensor& query, bool probs);
+
+// The backward's incoming gradient and the forward result it is for, checked
+// against `p` (shape, query's dtype and device) and described in it:
+//   attention_backward:        grad_out and out, (B, Hq, L, Ev)  -> p.dout / p.out
+//   attention_probs_backward:  grad_probs and probs, (B, Hq, L, S) -> p.dprobs / p.probs
+void describe_grad_output(AttnBwdParams& p, const at::Tensor& grad_out, const at::Tensor& out,
+                          const at::Tensor& query);
+void describe_grad_probs(AttnBwdParams& p, const at::Tensor& grad_probs, const at::Tensor& probs,
+                         const at::Tensor& query);
 
 // float32 for float16/bfloat16/float32, float64 for float64.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);

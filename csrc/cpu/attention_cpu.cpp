@@ -77,13 +77,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     double dropout_p, bool is_causal, int64_t causal_offset, double scale,
     const std::optional<at::Tensor>& dropout_seed) {  // int64, 1 element
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  at::Tensor out = at::empty({p.B, p.Hq, p.L, p.Ev}, query.options());
-  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
   if (lse.numel() == 0) return {out, lse};
   set_seed(p, dropout_seed);
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr();
-  copy_strides(p.o_stride, out);
   cpu::attention_forward(p);
   return {out, lse};
 }
@@ -101,17 +97,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  const std::vector<int64_t> out_shape = {p.B, p.Hq, p.L, p.Ev};
-  check_like_query(grad_out, "grad_out", out_shape, query);
-  check_like_query(out, "out", out_shape, query);
+  describe_grad_output(p, grad_out, out, query);
   BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor grad_value = at::empty(value.sizes(), value.options());
   if (p.B > 0 && p.Hq > 0) {
-    p.out = const_cast<void*>(out.data_ptr());
-    p.dout = grad_out.data_ptr();
     p.dv = grad_value.data_ptr();
-    copy_strides(p.o_stride, out);
-    copy_strides(p.do_stride, grad_out);
     copy_strides(p.dv_stride, grad_value);
     cpu::attention_backward(p);
   }
@@ -125,13 +115,9 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
     double scale, const std::optional<at::Tensor>& dropout_seed) {
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  at::Tensor probs = at::empty({p.B, p.Hq, p.L, p.S}, query.options());
-  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
   if (lse.numel() == 0) return {probs, lse};
   set_seed(p, dropout_seed);
-  p.probs = probs.data_ptr();
-  p.lse = lse.data_ptr();
-  copy_strides(p.probs_stride, probs);
   cpu::attention_forward(p);
   return {probs, lse};
 }
@@ -148,17 +134,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  const std::vector<int64_t> probs_shape = {p.B, p.Hq, p.L, p.S};
-  check_like_query(grad_probs, "grad_probs", probs_shape, query);
-  check_like_query(probs, "probs", probs_shape, query);
+  describe_grad_probs(p, grad_probs, probs, query);
   BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
-  if (p.B > 0 && p.Hq > 0) {
-    p.probs = const_cast<void*>(probs.data_ptr());
-    p.dprobs = grad_probs.data_ptr();
-    copy_strides(p.probs_stride, probs);
-    copy_strides(p.dprobs_stride, grad_probs);
-    cpu::attention_backward(p);
-  }
+  if (p.B > 0 && p.Hq > 0) cpu::attention_backward(p);
   if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
   return {o.grad_query, o.grad_key, o.grad_mask};
 }

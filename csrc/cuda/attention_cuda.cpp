@@ -159,8 +159,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& dropout_seed) {  // int64, 1 element, on query's device
   const c10::cuda::CUDAGuard guard(query.device());
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  at::Tensor out = at::empty({p.B, p.Hq, p.L, p.Ev}, query.options());
-  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
   if (lse.numel() == 0) return {out, lse};
   if (p.S == 0) {  // no key at all: every row is fully masked
     out.zero_();
@@ -168,9 +167,6 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     return {out, lse};
   }
   set_seed(p, dropout_seed);
-  p.out = out.data_ptr();
-  p.lse = lse.data_ptr();
-  copy_strides(p.o_stride, out);
   launch_forward(p);
   return {out, lse};
 }
@@ -189,15 +185,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  const std::vector<int64_t> out_shape = {p.B, p.Hq, p.L, p.Ev};
-  check_like_query(grad_out, "grad_out", out_shape, query);
-  check_like_query(out, "out", out_shape, query);
+  describe_grad_output(p, grad_out, out, query);
   BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true);
   if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {  // else every gradient is 0: the zeroed buffers
-    p.out = const_cast<void*>(out.data_ptr());
-    p.dout = grad_out.data_ptr();
-    copy_strides(p.o_stride, out);
-    copy_strides(p.do_stride, grad_out);
     // Both kernel families read out and grad_out through any strides, so the
     // forward's choice (made from q, k, v, mask, ...) holds for the backward.
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -220,17 +210,13 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
     double scale, const std::optional<at::Tensor>& dropout_seed) {
   const c10::cuda::CUDAGuard guard(query.device());
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  at::Tensor probs = at::empty({p.B, p.Hq, p.L, p.S}, query.options());
-  at::Tensor lse = at::empty({p.B, p.Hq, p.L}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
   if (lse.numel() == 0) return {probs, lse};
   if (p.S == 0) {
     lse.fill_(-std::numeric_limits<double>::infinity());
     return {probs, lse};
   }
   set_seed(p, dropout_seed);
-  p.probs = probs.data_ptr();
-  p.lse = lse.data_ptr();
-  copy_strides(p.probs_stride, probs);
   launch_forward(p);  // the generic kernels: the tensor-core ones do not write probabilities
   return {probs, lse};
 }
@@ -248,15 +234,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  const std::vector<int64_t> probs_shape = {p.B, p.Hq, p.L, p.S};
-  check_like_query(grad_probs, "grad_probs", probs_shape, query);
-  check_like_query(probs, "probs", probs_shape, query);
+  describe_grad_probs(p, grad_probs, probs, query);
   BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false);
   if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {
-    p.probs = const_cast<void*>(probs.data_ptr());
-    p.dprobs = grad_probs.data_ptr();
-    copy_strides(p.probs_stride, probs);
-    copy_strides(p.dprobs_stride, grad_probs);
     cuda::backward_generic(p, buf.ws, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -66,7 +66,7 @@ def _additive(mask, dtype):
     return mask.to(dtype)
 
 
-def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dtype):
+def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dtype, attn_mask_is_causal=False):
     """The kernel's mask for ``torch.nn.MultiheadAttention``'s mask conventions.
 
     nn.MultiheadAttention's masks say what may NOT be attended: a bool True
@@ -81,6 +81,8 @@ def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dt
         extra_keys: keys appended after those S (``bias_k``, the zero key of
             ``add_zero_attn``): every query sees them, as in PyTorch.
         dtype: the query's dtype; float masks are cast to it.
+        attn_mask_is_causal: PyTorch's ``is_causal`` hint: ``attn_mask`` is
+            checked but left out, the kernel's causal flag stands for it.
 
     Returns:
         None, or a mask broadcastable to ``(batch, num_heads, L, S + extra_keys)``:
@@ -93,7 +95,7 @@ def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dt
         if attn_mask.dim() == 2:
             if tuple(attn_mask.shape) != (L, S):
                 raise RuntimeError(f"the 2-D attn_mask must have shape {_fmt((L, S))}, got {_fmt(tuple(attn_mask.shape))}")
-            parts.append(attn_mask)
+            attn_parts = [attn_mask]
         elif attn_mask.dim() == 3:
             want = (batch * num_heads, L, S)
             if tuple(attn_mask.shape) != want:
@@ -101,10 +103,12 @@ def mha_mask(attn_mask, key_padding_mask, batch, num_heads, L, S, extra_keys, dt
                     f"the 3-D attn_mask must have shape (batch * num_heads, L, S) = {_fmt(want)}, "
                     f"got {_fmt(tuple(attn_mask.shape))}"
                 )
-            parts.append(attn_mask.reshape(batch, num_heads, L, S))
+            attn_parts = [attn_mask.reshape(batch, num_heads, L, S)]
         else:
             raise RuntimeError(f"attn_mask must be 2-D (L, S) or 3-D (batch * num_heads, L, S), "
                                f"got shape {_fmt(tuple(attn_mask.shape))}")
+        if not attn_mask_is_causal:
+            parts += attn_parts
     if key_padding_mask is not None:
         _check_mask_dtype(key_padding_mask, "key_padding_mask")
         if tuple(key_padding_mask.shape) != (batch, S):

@@ -321,19 +321,16 @@ class MultiHeadAttention(nn.Module):
             if extra:
                 raise ValueError("a KVCache cannot be used with add_bias_kv=True or add_zero_attn=True "
                                  "(they would append a key at every step)")
-            cache.check(k, v)
             S += len(cache)
             causal_alignment = "bottom_right"  # the new queries are the last L of S positions
-        mask = mha_mask(attn_mask, key_padding_mask, N, H, L, S, extra, query.dtype)  # also validates
-        if cache is not None:
-            k, v = cache.append(k, v)
-
         # is_causal with attn_mask is PyTorch's hint that attn_mask is the causal mask: the
         # kernel's causal flag replaces it (and skips the hidden key tiles), as torch's SDPA
         # path does. Not with appended keys (bias_k, zero key): every query must see those.
         use_causal_flag = bool(is_causal) and (attn_mask is None or extra == 0)
-        if use_causal_flag and attn_mask is not None:
-            mask = mha_mask(None, key_padding_mask, N, H, L, S, extra, query.dtype)
+        mask = mha_mask(attn_mask, key_padding_mask, N, H, L, S, extra, query.dtype,
+                        attn_mask_is_causal=use_causal_flag)  # validated before the cache changes
+        if cache is not None:
+            k, v = cache.append(k, v)  # checks batch, heads, dtype first
         dropout_p = self.dropout if self.training else 0.0
         kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=use_causal_flag, enable_gqa=Hkv != H,
                       causal_alignment=causal_alignment)

@@ -72,3 +72,13 @@ def test_float_mask_gradient_flows_through():
 def test_bad_masks_raise_naming_the_value(am, kpm, pattern):
     with pytest.raises((RuntimeError, TypeError), match=pattern):
         mha_mask(am, kpm, N, H, L, S, 0, torch.float32)
+
+
+def test_causal_hint_checks_attn_mask_but_leaves_it_out():
+    am = torch.zeros(L, S)
+    kpm = torch.rand(N, S) < 0.3
+    hinted = mha_mask(am, kpm, N, H, L, S, 0, torch.float32, attn_mask_is_causal=True)
+    assert torch.equal(hinted, mha_mask(None, kpm, N, H, L, S, 0, torch.float32))
+    assert mha_mask(am, None, N, H, L, S, 0, torch.float32, attn_mask_is_causal=True) is None
+    with pytest.raises(RuntimeError, match=r"\(4, 5\), got \(4, 6\)"):
+        mha_mask(torch.zeros(L, S + 1), None, N, H, L, S, 0, torch.float32, attn_mask_is_causal=True)

@@ -424,7 +424,7 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str) -> PeakMem
         return _cuda_peak_memory(fn, device)
     if device.type == "cpu":
         return _cpu_peak_memory(fn)
-    raise ValueError(f"peak memory is not implemented for device {device}")
+    raise ValueError(f"peak memory is measured on cpu and cuda devices only, got device {device}")
 
 
 # ----------------------------------------------------------------------------

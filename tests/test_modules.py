@@ -87,7 +87,7 @@ def _compare(theirs, ours, args, kwargs, dtype, extra_leaves=()):
     for name in grads_t:
         assert (grads_o[name] is None) == (grads_t[name] is None), name
         if grads_t[name] is not None:
-            assert rel_err(grads_o[name], grads_t[name]) < tol * 10, f"grad {name}: {rel_err(grads_o[name], grads_t[name]):.2e}"
+            assert rel_err(grads_o[name], grads_t[name]) < tol, f"grad {name}: {rel_err(grads_o[name], grads_t[name]):.2e}"
 
 
 def _backward(out, weights, module, leaves):
@@ -296,7 +296,7 @@ def test_module_forward_passes_gradcheck(device):
 def _layers_equal_after_swap(theirs, ours, src, dtype, **kwargs):
     out_t = theirs(src, **kwargs)
     out_o = ours(src, **kwargs)
-    assert rel_err(out_o, out_t) < TOL[dtype] * 10, f"rel err {rel_err(out_o, out_t):.2e}"
+    assert rel_err(out_o, out_t) < TOL[dtype], f"rel err {rel_err(out_o, out_t):.2e}"
     return out_o
 
 
@@ -316,12 +316,12 @@ def test_transformer_encoder_layer_swap_gives_same_results(device, dtype, norm_f
 
     out_t = theirs(src, **kwargs)
     out_o = ours(src, **kwargs)
-    assert rel_err(out_o, out_t) < TOL[dtype] * 10
+    assert rel_err(out_o, out_t) < TOL[dtype], f"{rel_err(out_o, out_t):.2e}"
     cot = _randn(out_t.shape, dtype, device, gen)  # a random cotangent (LayerNorm makes a sum of squares flat)
     g_t = torch.autograd.grad((out_t * cot).sum(), [src, *theirs.parameters()])
     g_o = torch.autograd.grad((out_o * cot).sum(), [src, *ours.parameters()])
     for a, b in zip(g_o, g_t):
-        assert rel_err(a, b) < TOL[dtype] * 100
+        assert rel_err(a, b) < TOL[dtype], f"{rel_err(a, b):.2e}"
 
     # Inference (eval, no grad) would take torch's fused fast path, which bypasses
     # self_attn: ours is called all the same, and agrees.
@@ -348,12 +348,12 @@ def test_transformer_decoder_layer_swap_gives_same_results(device, dtype):
     mem_pad = _bool_mask((N, S), gen, device)
     kwargs = dict(tgt_mask=causal, tgt_is_causal=True, memory_key_padding_mask=mem_pad)
     out_t, out_o = theirs(tgt, memory, **kwargs), ours(tgt, memory, **kwargs)
-    assert rel_err(out_o, out_t) < TOL[dtype] * 10
+    assert rel_err(out_o, out_t) < TOL[dtype], f"{rel_err(out_o, out_t):.2e}"
     cot = _randn(out_t.shape, dtype, device, gen)
     g_t = torch.autograd.grad((out_t * cot).sum(), [tgt, memory])
     g_o = torch.autograd.grad((out_o * cot).sum(), [tgt, memory])
     for a, b in zip(g_o, g_t):
-        assert rel_err(a, b) < TOL[dtype] * 100
+        assert rel_err(a, b) < TOL[dtype], f"{rel_err(a, b):.2e}"
 
 
 def test_whole_transformer_converts_and_matches(device):

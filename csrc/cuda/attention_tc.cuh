@@ -393,6 +393,32 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c)[kN][
   a[3] = pack2<T>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
 }
 
+// One k-step of D += A B across a row of n-blocks: acc[s][n] += A_s B_n for
+// the kStrips 16-row strips A_s = a[s] and the n-blocks n = 0 .. kN - 1. The B
+// operands come two n-blocks at a time, load_b(b, n) giving those of n and
+// n + 1 (ldsm_b or ldsm_b_t), and each pair serves every strip.
+template <typename T, int kStrips, int kN, typename LoadB>
+__device__ __forceinline__ void mma_k_step(float (&acc)[kStrips][kN][4], const uint32_t (&a)[kStrips][4],
+                                           LoadB&& load_b) {
+  static_assert(kN % 2 == 0, "n-blocks come in pairs");
+#pragma unroll
+  for (int n = 0; n < kN; n += 2) {
+    uint32_t b[4];
+    load_b(b, n);
+#pragma unroll
+    for (int s = 0; s < kStrips; ++s) {
+      mma_16816<T>(acc[s][n], a[s], b[0], b[1]);
+      mma_16816<T>(acc[s][n + 1], a[s], b[2], b[3]);
+    }
+  }
+}
+
+// The same for a single strip.
+template <typename T, int kN, typename LoadB>
+__device__ __forceinline__ void mma_k_step(float (&acc)[kN][4], const uint32_t (&a)[4], LoadB&& load_b) {
+  mma_k_step<T>(reinterpret_cast<float(&)[1][kN][4]>(acc), reinterpret_cast<const uint32_t(&)[1][4]>(a), load_b);
+}
+
 // -----------------------------------------------------------------------------
 // Global -> shared tile copies.
 // -----------------------------------------------------------------------------

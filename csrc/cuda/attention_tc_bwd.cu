@@ -127,6 +127,26 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
     for (int r = 0; r < 4; ++r) dk[d][r] = dv[d][r] = 0.0f;
   // The warp's K and V rows as A operands, when they fit in registers.
   uint32_t ka[Tr::kKVInRegs ? kHeadSteps : 1][4], va[Tr::kKVInRegs ? kHeadSteps : 1][4];
+  // acc = X_w Y^T: X_w the warp's 16 rows of X = K or V (x_regs, when they
+  // are kept in registers, else tile s_x), Y a query-side tile (Q or dO).
+  auto warp_keys_times = [&](float(&acc)[kQueryBlocks][4], const uint32_t(&x_regs)[Tr::kKVInRegs ? kHeadSteps : 1][4],
+                             uint32_t s_x, uint32_t s_y) {
+#pragma unroll
+    for (int n = 0; n < kQueryBlocks; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[n][r] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < kHeadSteps; ++ks) {
+      uint32_t a[4];
+      if constexpr (Tr::kKVInRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[r] = x_regs[ks][r];
+      } else {
+        ldsm_a<KVTile>(a, s_x, warp * 16, ks * 16, lane);
+      }
+      mma_k_step<T>(acc, a, [&](uint32_t(&yb)[4], int n) { ldsm_b<QTile>(yb, s_y, n * 8, ks * 16, lane); });
+    }
+  };
 
   for (int64_t qt = first_qtile; qt < n_qtiles; ++qt) {
     const int buf = static_cast<int>((qt - first_qtile) & 1);
@@ -157,27 +177,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
 
     // S^T = K Q^T
     float st[kQueryBlocks][4];
-#pragma unroll
-    for (int n = 0; n < kQueryBlocks; ++n)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) st[n][r] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < kHeadSteps; ++ks) {
-      uint32_t a[4];
-      if constexpr (Tr::kKVInRegs) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = ka[ks][r];
-      } else {
-        ldsm_a<KVTile>(a, s_k, warp * 16, ks * 16, lane);
-      }
-#pragma unroll
-      for (int n = 0; n < kQueryBlocks; n += 2) {
-        uint32_t qb[4];
-        ldsm_b<QTile>(qb, s_qb, n * 8, ks * 16, lane);
-        mma_16816<T>(st[n], a, qb[0], qb[1]);
-        mma_16816<T>(st[n + 1], a, qb[2], qb[3]);
-      }
-    }
+    warp_keys_times(st, ka, s_k, s_qb);
 
     // P^T = exp2(S^T * scale * log2(e) [+ mask] - lse * log2(e)). Only tiles
     // that hold a masked element (attn_mask, the end of the keys, the causal
@@ -263,38 +263,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
         for (int r = 0; r < 4; ++r) z[n][r] = st[2 * kk + n][r] * keep_factor(2 * kk + n, r);
       uint32_t za[4];
       acc_to_a<T>(za, z, 0);
-#pragma unroll
-      for (int d = 0; d < kHeadBlocks; d += 2) {
-        uint32_t ob[4];
-        ldsm_b_t<QTile>(ob, s_dob, kk * 16, d * 8, lane);
-        mma_16816<T>(dv[d], za, ob[0], ob[1]);
-        mma_16816<T>(dv[d + 1], za, ob[2], ob[3]);
-      }
+      mma_k_step<T>(dv, za, [&](uint32_t(&ob)[4], int d) { ldsm_b_t<QTile>(ob, s_dob, kk * 16, d * 8, lane); });
     }
 
     // dP^T = V dO^T
     float dpt[kQueryBlocks][4];
-#pragma unroll
-    for (int n = 0; n < kQueryBlocks; ++n)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) dpt[n][r] = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < kHeadSteps; ++ks) {
-      uint32_t a[4];
-      if constexpr (Tr::kKVInRegs) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) a[r] = va[ks][r];
-      } else {
-        ldsm_a<KVTile>(a, s_v, warp * 16, ks * 16, lane);
-      }
-#pragma unroll
-      for (int n = 0; n < kQueryBlocks; n += 2) {
-        uint32_t ob[4];
-        ldsm_b<QTile>(ob, s_dob, n * 8, ks * 16, lane);
-        mma_16816<T>(dpt[n], a, ob[0], ob[1]);
-        mma_16816<T>(dpt[n + 1], a, ob[2], ob[3]);
-      }
-    }
+    warp_keys_times(dpt, va, s_v, s_dob);
 
     // dS^T = P^T * (dP^T * keep / (1 - p) - delta), into dpt.
 #pragma unroll
@@ -333,13 +307,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
     for (int kk = 0; kk < kQuerySteps; ++kk) {
       uint32_t da[4];
       acc_to_a<T>(da, dpt, kk);
-#pragma unroll
-      for (int d = 0; d < kHeadBlocks; d += 2) {
-        uint32_t qb[4];
-        ldsm_b_t<QTile>(qb, s_qb, kk * 16, d * 8, lane);
-        mma_16816<T>(dk[d], da, qb[0], qb[1]);
-        mma_16816<T>(dk[d + 1], da, qb[2], qb[3]);
-      }
+      mma_k_step<T>(dk, da, [&](uint32_t(&qb)[4], int d) { ldsm_b_t<QTile>(qb, s_qb, kk * 16, d * 8, lane); });
     }
 
     if (has_next) stats_store(next_stat, buf ^ 1);  // tile qt - 1 read that buffer; all are past it
@@ -358,13 +326,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
       for (int ks = 0; ks < kKeySteps; ++ks) {
         uint32_t a[4];
         ldsm_a_t<DsTile>(a, s_ds, rg * 16, ks * 16, lane);
-#pragma unroll
-        for (int d = 0; d < kDqBlocks; d += 2) {
-          uint32_t kb[4];
-          ldsm_b_t<KVTile>(kb, s_k, ks * 16, col0 + d * 8, lane);
-          mma_16816<T>(acc[d], a, kb[0], kb[1]);
-          mma_16816<T>(acc[d + 1], a, kb[2], kb[3]);
-        }
+        mma_k_step<T>(acc, a, [&](uint32_t(&kb)[4], int d) { ldsm_b_t<KVTile>(kb, s_k, ks * 16, col0 + d * 8, lane); });
       }
       const float scale = static_cast<float>(p.scale);
 #pragma unroll

@@ -124,16 +124,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
           ldsm_a<QTile>(qa[s], s_q, local_row(s, 0) - g, ks * 16, lane);
         }
       }
-#pragma unroll
-      for (int n = 0; n < kScoreBlocks; n += 2) {
-        uint32_t kb[4];
-        ldsm_b<KVTile>(kb, s_kb, n * 8, ks * 16, lane);
-#pragma unroll
-        for (int s = 0; s < kStrips; ++s) {
-          mma_16816<T>(sc[s][n], qa[s], kb[0], kb[1]);
-          mma_16816<T>(sc[s][n + 1], qa[s], kb[2], kb[3]);
-        }
-      }
+      mma_k_step<T>(sc, qa, [&](uint32_t(&kb)[4], int n) { ldsm_b<KVTile>(kb, s_kb, n * 8, ks * 16, lane); });
     }
 
     // Scale to log2 units and mask. Only tiles that hold a masked element
@@ -252,24 +243,14 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
 
     // O += P V, P from the S accumulators (see "Accumulator -> A operand"),
     // converted to 16 bits first: half the registers of the f32 scores.
-    uint32_t pa[kStrips][kKeySteps][4];
+    uint32_t pa[kKeySteps][kStrips][4];
 #pragma unroll
     for (int s = 0; s < kStrips; ++s)
 #pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) acc_to_a<T>(pa[s][kk], sc[s], kk);
+      for (int kk = 0; kk < kKeySteps; ++kk) acc_to_a<T>(pa[kk][s], sc[s], kk);
 #pragma unroll
-    for (int kk = 0; kk < kKeySteps; ++kk) {
-#pragma unroll
-      for (int d = 0; d < kOutBlocks; d += 2) {
-        uint32_t vb[4];
-        ldsm_b_t<KVTile>(vb, s_vb, kk * 16, d * 8, lane);
-#pragma unroll
-        for (int s = 0; s < kStrips; ++s) {
-          mma_16816<T>(o[s][d], pa[s][kk], vb[0], vb[1]);
-          mma_16816<T>(o[s][d + 1], pa[s][kk], vb[2], vb[3]);
-        }
-      }
-    }
+    for (int kk = 0; kk < kKeySteps; ++kk)
+      mma_k_step<T>(o, pa[kk], [&](uint32_t(&vb)[4], int d) { ldsm_b_t<KVTile>(vb, s_vb, kk * 16, d * 8, lane); });
   }
 
   // Epilogue: out = O * keep_scale / sum (0 for a row without a visible key),

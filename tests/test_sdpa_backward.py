@@ -106,6 +106,34 @@ def test_grads_through_lse_match_reference(device, dtype, variant):
     run_backward_case(q, k, v, attn_mask=mask, lse_weight=True, seed=3, **kw)
 
 
+# Every head dim the CUDA tensor-core kernels have, over several key blocks (the
+# backward's CTA owns 64-128 keys) with a partial last one. Top-left causal with
+# S > L leaves whole key blocks that no query sees (their dK, dV are zero);
+# bottom-right with L > S leaves query rows with no key. GQA sums dK, dV over
+# each group; a float mask takes its gradient.
+BLOCK_VARIANTS = {
+    "plain": dict(L=70, S=300),
+    "causal_top_left_S_gt_L": dict(L=70, S=300, is_causal=True),
+    "causal_bottom_right_L_gt_S": dict(L=300, S=70, is_causal=True, causal_alignment="bottom_right"),
+    "gqa_float_mask": dict(L=130, S=190, gqa=True, mask=True),
+}
+
+
+@low_dtypes
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("variant", list(BLOCK_VARIANTS))
+def test_grads_over_head_dims_and_key_blocks(device, dtype, head_dim, variant):
+    cfg = dict(BLOCK_VARIANTS[variant])
+    L, S = cfg.pop("L"), cfg.pop("S")
+    Hq, Hkv = (4, 2) if cfg.pop("gqa", False) else (2, 2)
+    seed = head_dim + L
+    q, k, v = make_qkv(1, Hq, Hkv, L, S, head_dim, head_dim, dtype, device, seed=seed, requires_grad=True)
+    mask = None
+    if cfg.pop("mask", False):
+        mask = make_mask("float", (1, Hq, L, S), dtype, device, seed=seed + 1, requires_grad=True)
+    run_backward_case(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv, seed=seed, **cfg)
+
+
 def test_float_mask_grad_is_summed_over_broadcast_dims(device):
     dtype = torch.float64
     q, k, v = make_qkv(2, 3, 3, 7, 9, 8, 8, dtype, device, seed=4)

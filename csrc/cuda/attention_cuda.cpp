@@ -55,7 +55,8 @@ void launch_forward(const AttnParams& p) {
 // Everything the backward allocates besides its results: the accumulators of
 // the kernels (BwdWorkspace), the mask-gradient buffer, contiguous lse/dlse.
 struct BwdBuffers {
-  at::Tensor dq, dk, dv, delta;  // float32/float64 accumulators, zeroed
+  at::Tensor dq, dk, dv, delta;  // float32/float64 accumulators, zeroed; but see kv_direct
+  bool kv_direct = false;        // dk, dv are the results themselves, written whole by the tensor-core kernel
   at::Tensor dmask;              // mask-gradient accumulator, or undefined
   bool dmask_full = false;       // dmask is (B, Hq, L, S), summed over the mask's broadcast dims afterwards
   at::Tensor lse, grad_lse;
@@ -106,9 +107,12 @@ at::Tensor grad_mask_from(const BwdBuffers& buf, const at::Tensor& attn_mask) {
 }
 
 // Common part of both backwards: lse/dlse, seed, workspace, mask gradient.
+// kv_direct: the tensor-core kernel will run without grouped-query attention,
+// so dK and dV need no accumulators (see BwdWorkspace).
 BwdBuffers prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& lse,
                             const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
-                            const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask, bool with_value) {
+                            const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask, bool with_value,
+                            bool kv_direct) {
   const at::ScalarType acc = accumulation_dtype(query.scalar_type());
   const at::TensorOptions opts = query.options().dtype(acc);
   check_lse(lse, "lse", p, query);
@@ -125,13 +129,21 @@ BwdBuffers prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
     TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask, got none");
     make_mask_buffer(p, buf, *attn_mask, acc);
   }
-  // dk/dv get one slice per query head; the host sums each GQA group afterwards.
   buf.dq = at::zeros({p.B, p.Hq, p.L, p.E}, opts);
-  buf.dk = at::zeros({p.B, p.Hq, p.S, p.E}, opts);
   buf.delta = at::zeros({p.B, p.Hq, p.L}, opts);
   buf.ws.dq_accum = buf.dq.data_ptr();
-  buf.ws.dk_accum = buf.dk.data_ptr();
   buf.ws.delta = buf.delta.data_ptr();
+  buf.kv_direct = kv_direct && with_value && p.Hq == p.Hkv;
+  if (buf.kv_direct) {
+    buf.dk = at::empty({p.B, p.Hkv, p.S, p.E}, query.options());
+    buf.dv = at::empty({p.B, p.Hkv, p.S, p.Ev}, query.options());
+    buf.ws.dk_out = buf.dk.data_ptr();
+    buf.ws.dv_out = buf.dv.data_ptr();
+    return buf;
+  }
+  // dk/dv get one slice per query head; the host sums each GQA group afterwards.
+  buf.dk = at::zeros({p.B, p.Hq, p.S, p.E}, opts);
+  buf.ws.dk_accum = buf.dk.data_ptr();
   if (with_value) {
     buf.dv = at::zeros({p.B, p.Hq, p.S, p.Ev}, opts);
     buf.ws.dv_accum = buf.dv.data_ptr();
@@ -186,12 +198,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   describe_grad_output(p, grad_out, out, query);
-  BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true);
-  if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {  // else every gradient is 0: the zeroed buffers
-    // Both kernel families read out and grad_out through any strides, so the
-    // forward's choice (made from q, k, v, mask, ...) holds for the backward.
+  // Both kernel families read out and grad_out through any strides, so the
+  // forward's choice (made from q, k, v, mask, ...) holds for the backward.
+  const bool launch = p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0;  // else every gradient is 0: the zeroed buffers
+  const bool tensor_cores = launch && tensor_core_reason_for(p) == nullptr;
+  BwdBuffers buf =
+      prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
+  if (launch) {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if (tensor_core_reason_for(p) == nullptr) {
+    if (tensor_cores) {
       cuda::backward_tensor_core(p, buf.ws, stream);
     } else {
       cuda::backward_generic(p, buf.ws, stream);
@@ -200,6 +215,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   }
   const at::ScalarType dtype = query.scalar_type();
   at::Tensor grad_mask = compute_grad_mask ? grad_mask_from(buf, *attn_mask) : at::empty({0}, query.options());
+  if (buf.kv_direct) return {buf.dq.to(dtype), buf.dk, buf.dv, grad_mask};
   return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), sum_over_groups(buf.dv, p, dtype), grad_mask};
 }
 
@@ -235,7 +251,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   describe_grad_probs(p, grad_probs, probs, query);
-  BwdBuffers buf = prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false);
+  BwdBuffers buf =
+      prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false, false);
   if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {
     cuda::backward_generic(p, buf.ws, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -341,19 +341,27 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
     }
   }
 
-  // dK (times scale) and dV of this query head's keys, float32, (B, Hq, S, E).
-  float* dk_out = static_cast<float*>(ws.dk_accum) + (bh * p.S + k0) * kHeadDim;  // (n_keys, E) contiguous
-  float* dv_out = static_cast<float*>(ws.dv_accum) + (bh * p.S + k0) * kHeadDim;  // (n_keys, E) contiguous
+  // dK (times scale) and dV of this query head's keys: straight into the
+  // results (input dtype, (B, Hkv = Hq, S, E)) when the host gave them, else
+  // into the float32 accumulators (B, Hq, S, E). Both are contiguous.
   const float scale = static_cast<float>(p.scale);
+  const int64_t first = (bh * p.S + k0) * kHeadDim;  // element (b, h, k0, 0)
+  const bool direct = ws.dk_out != nullptr;
 #pragma unroll
   for (int hi = 0; hi < 2; ++hi) {
     const int row = key_row + 8 * hi;
     if (row >= n_keys) continue;
 #pragma unroll
     for (int d = 0; d < kHeadBlocks; ++d) {
-      const int64_t off = static_cast<int64_t>(row) * kHeadDim + d * 8 + 2 * t;
-      *reinterpret_cast<float2*>(dk_out + off) = make_float2(scale * dk[d][2 * hi], scale * dk[d][2 * hi + 1]);
-      *reinterpret_cast<float2*>(dv_out + off) = make_float2(dv[d][2 * hi], dv[d][2 * hi + 1]);
+      const int64_t off = first + static_cast<int64_t>(row) * kHeadDim + d * 8 + 2 * t;
+      const float dk0 = scale * dk[d][2 * hi], dk1 = scale * dk[d][2 * hi + 1];
+      if (direct) {
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(ws.dk_out) + off) = pack2<T>(dk0, dk1);
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(ws.dv_out) + off) = pack2<T>(dv[d][2 * hi], dv[d][2 * hi + 1]);
+      } else {
+        *reinterpret_cast<float2*>(static_cast<float*>(ws.dk_accum) + off) = make_float2(dk0, dk1);
+        *reinterpret_cast<float2*>(static_cast<float*>(ws.dv_accum) + off) = make_float2(dv[d][2 * hi], dv[d][2 * hi + 1]);
+      }
     }
   }
 }
@@ -373,7 +381,7 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
 }  // namespace tc
 
 void backward_tensor_core(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
-  // Nothing to add: dq_accum, dk_accum, dv_accum arrive zeroed.
+  // Nothing to add: dq_accum, dk_accum, dv_accum arrive zeroed (dk_out, dv_out are written whole).
   if (params.B * params.Hq == 0 || params.L == 0 || params.S == 0) return;
   tc::dispatch_tc_dtype(params.dtype, [&](auto elem) {
     using T = decltype(elem);

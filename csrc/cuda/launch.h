@@ -13,11 +13,18 @@ namespace attn_ext::cuda {
 // in the accumulation dtype (float32; float64 for float64 inputs), zeroed.
 // The host casts the accumulators to the outputs afterwards and, for
 // grouped-query attention, sums dk/dv over the query heads of each group.
+//
+// Without grouped-query attention the tensor-core backward can skip dk_accum
+// and dv_accum: each of its CTAs owns some key rows and writes their dK, dV
+// once, so with dk_out/dv_out set it writes them straight into the results,
+// in the input dtype (no zeroing, no float32 round trip).
 struct BwdWorkspace {
   void* dq_accum = nullptr;  // (B, Hq, L, E) contiguous
   void* dk_accum = nullptr;  // (B, Hq, S, E) contiguous, one slice per query head
   void* dv_accum = nullptr;  // (B, Hq, S, Ev) contiguous; unused for the probabilities' backward
   void* delta = nullptr;     // (B, Hq, L) contiguous: rowsum(dO * O) (or rowsum(dprobs * probs)) - dlse
+  void* dk_out = nullptr;    // (B, Hkv, S, E) contiguous, input dtype; tensor-core kernel only, Hq == Hkv
+  void* dv_out = nullptr;    // (B, Hkv, S, Ev) contiguous, likewise
 };
 // The mask's gradient goes to params.dmask (accumulation dtype, read through
 // params.dmask_stride, which is 0 on broadcast dims): CUDA kernels add into it

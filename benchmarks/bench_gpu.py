@@ -21,6 +21,8 @@ Usage (on a machine with an NVIDIA GPU, attn_ext built with CUDA):
     python benchmarks/bench_gpu.py                        # the full grid
     python benchmarks/bench_gpu.py --quick                # L in 512, 2048; a minute
     python benchmarks/bench_gpu.py --json benchmarks/results/gpu.json --markdown
+Anywhere (no GPU needed), the README's one-row-per-case table of a saved run:
+    python benchmarks/bench_gpu.py --report benchmarks/results/gpu_h200.json
 """
 
 from __future__ import annotations
@@ -113,6 +115,39 @@ def run_case(shape, dtype, impls, min_run_time):
     return results
 
 
+def report(paths):
+    """The compact markdown table (one row per case) of saved --json runs."""
+    header = ["B×H×L×E", "causal", "dtype", "fwd ours", "fwd flash", "fwd ×flash", "bwd ours", "bwd flash",
+              "bwd ×flash", "fwd+bwd ×flash", "efficient fwd / bwd", "cuDNN fwd / bwd", "peak MB ours / flash"]
+    rows, devices = [], set()
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        devices.add(f"{run['device']}, torch {run['torch']}")
+        for rec in run["records"]:
+            res = rec["results"]
+            ours, flash = res.get("ours", {}), res.get("flash", {})
+            if "fwd_ms" not in ours:
+                continue
+            shape = common.parse_shapes(rec["shape"])[0]
+
+            def ratio(p):
+                return common.fmt(flash[f"{p}_ms"] / ours[f"{p}_ms"], 2) if f"{p}_ms" in flash else "-"
+
+            def pair(name):
+                r = res.get(name, {})
+                return f"{common.fmt(r['fwd_tflops'], 0)} / {common.fmt(r['bwd_tflops'], 0)}" if "fwd_tflops" in r else "-"
+
+            rows.append([f"{shape.B}×{shape.H}×{shape.L}×{shape.E}", "yes" if shape.causal else "no", rec["dtype"],
+                         common.fmt(ours["fwd_tflops"], 0), common.fmt(flash.get("fwd_tflops"), 0), f"**{ratio('fwd')}**",
+                         common.fmt(ours["bwd_tflops"], 0), common.fmt(flash.get("bwd_tflops"), 0), f"**{ratio('bwd')}**",
+                         ratio("fwd+bwd"), pair("efficient"), pair("cudnn"),
+                         f"{common.fmt(ours['peak_mb'], 0)} / {common.fmt(flash.get('peak_mb'), 0)}"])
+    print("TFLOP/s on " + "; ".join(sorted(devices)))
+    print(common.format_table(header, rows, markdown=True))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="bfloat16,float16")
@@ -122,7 +157,10 @@ def main(argv=None):
     ap.add_argument("--min-run-time", type=float, default=0.5)
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved --json runs and exit")
     args = ap.parse_args(argv)
+    if args.report:
+        return report(args.report)
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device is available here", file=sys.stderr)
         return 2

@@ -62,3 +62,24 @@ def test_bench_bad_shape_gives_one_line_and_exit_2():
     rc, out, err = _run("bench", "--shapes", "2x2x1xz")
     assert rc == 2 and "bad shape '2x2x1xz'" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_gpu_benchmark_report_prints_the_saved_h200_run():
+    """benchmarks/bench_gpu.py --report (no GPU needed) turns the saved run into the README's table."""
+    import json
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = os.path.join(root, "benchmarks", "results", "gpu_h200.json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gpu.py"), "--report", saved],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    with open(saved) as f:
+        records = json.load(f)["records"]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert "NVIDIA H200" in proc.stdout.splitlines()[0]
+    assert len(rows) == len(records) == 48  # 2 dtypes x 2 head dims x causal or not x 6 lengths
+    first = records[0]["results"]
+    ratio = first["flash"]["fwd_ms"] / first["ours"]["fwd_ms"]
+    assert f"**{ratio:.2f}**" in rows[0]

@@ -98,10 +98,13 @@ done
 # Small shapes only: every kernel runs 10-1000x slower under the sanitizer.
 # float32/float64 run the generic kernels; bfloat16/float16 at E = 64 the
 # tensor-core ones (odd sizes: partial tiles); E = 80 in half precision falls back.
+# The backward's E = 16 cases run the generic kernels; head_dims_and_key_blocks
+# runs the tensor-core backward over several key blocks.
 SELECTIONS=(
   "tests/test_sdpa_forward.py::-k cuda and (B2H3L17S17E16Ev16 or B1H4L9S23E16Ev40 or B2H2L17S129E64Ev64 or B1H2L129S17E80Ev80)"
   "tests/test_sdpa_forward.py::-k cuda and float32 and test_forward_causal_combined_with_mask and L17S29"
   "tests/test_sdpa_backward.py::-k cuda and (plain or gqa_causal_float_mask or causal_and_bool_mask) and not large"
+  "tests/test_sdpa_backward.py::-k cuda and head_dims_and_key_blocks and bfloat16 and (64 or 128)"
   "tests/test_probs.py::-k cuda and test_probs_backward_matches_reference"
   "tests/test_dropout.py::-k cuda and float32 and test_dropout_forward_and_grads_match_reference_with_recovered_mask and 0.2 and (plain or gqa)"
 )

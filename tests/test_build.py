@@ -26,3 +26,27 @@ def test_mismatched_torch_raises_one_clear_sentence(monkeypatch):
     else:
         raise AssertionError("a build for torch 0.0.1 was loaded under torch " + torch.__version__)
     assert "built for torch 0.0.1" in msg and torch.__version__ in msg and "pip install" in msg
+
+
+def test_gpu_check_sanitizer_selections_each_pick_cuda_tests():
+    """scripts/gpu_check.sh runs compute-sanitizer over pytest -k selections; a renamed test
+    would leave one empty (found only on a GPU machine). Here they are collected (not run)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "scripts", "gpu_check.sh")) as f:
+        script = f.read()
+    block = re.search(r"^SELECTIONS=\(\n(.*?)^\)", script, re.S | re.M).group(1)
+    selections = re.findall(r'^\s*"([^"]+)"', block, re.M)
+    assert len(selections) >= 5
+    for sel in selections:
+        path, expr = sel.split("::-k ")
+        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               os.path.join(root, path), "-k", expr], capture_output=True, text=True, timeout=600,
+                              cwd=root)
+        ids = [line for line in proc.stdout.splitlines() if "::" in line]
+        assert proc.returncode == 0 and ids, f"{sel!r} selects nothing:\n{proc.stdout[-2000:]}"
+        assert all("cuda" in i for i in ids), f"{sel!r} selects CPU tests too"

@@ -171,6 +171,8 @@ class _Call:
         """(B, H, L, X) -> the user's (N, ..., H, L, X), or (N, L, X) for 3-D inputs; works for lse too."""
         if not self.has_head_dim:
             return t.squeeze(1)
+        if len(self.query_shape) == 4:  # already (B, H, L, X): no reshape on the per-call path
+            return t
         return t.reshape(*self.query_shape[:-1], *t.shape[3:])
 
 

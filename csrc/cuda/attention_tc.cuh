@@ -538,6 +538,14 @@ __device__ __forceinline__ uint32_t dropout_keep_bits4(uint64_t seed, uint64_t r
   return bits;
 }
 
+// How many of the keys j0 .. j0 + n - 1 query row i sees: the causal rule
+// and the end of the keys make them a prefix (causal_key_end); none for a
+// padding row of the tile (row_valid false).
+__device__ __forceinline__ int visible_keys(const AttnParams& p, int64_t i, bool row_valid, int64_t j0, int n) {
+  const int64_t end = (row_valid ? causal_key_end(p, i) : 0) - j0;
+  return static_cast<int>(end < 0 ? 0 : (end > n ? n : end));
+}
+
 // The first query row that sees key j (visible keys are a prefix [0,
 // causal_key_end(p, i)) that grows with i), or L when no row does.
 __device__ __forceinline__ int64_t first_row_seeing(const AttnParams& p, int64_t j) {

@@ -197,9 +197,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
           const int col = (cc / 2) * 8 + 2 * t + cc % 2;
           const int64_t i = i0 + col;
           // Key k0 + key_row + 8 hi is visible iff key_row + 8 hi < visible_end.
-          const int64_t key_end = i < p.L ? causal_key_end(p, i) : 0;
-          const int64_t end = key_end - k0;
-          const int visible_end = static_cast<int>(end < 0 ? 0 : (end > kBlockN ? kBlockN : end));
+          const int visible_end = visible_keys(p, i, i < p.L, k0, kBlockN);
           const char* m = mask_ptr(p, mask_elem_bytes, b, h, i, k0 + key_row);
           const int64_t m_step = opaque(p.mask_stride[3] * mask_elem_bytes);  // bytes from key j to j + 1
 #pragma unroll

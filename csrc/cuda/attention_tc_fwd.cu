@@ -156,9 +156,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
           const int row = local_row(rr / 2, rr % 2);
           const int64_t i = i0 + row;
           // Key j0 + 8n + 2t + e is visible iff 8n + e < visible_end.
-          const int64_t key_end = row < m_rows ? causal_key_end(p, i) : 0;
-          const int64_t end = key_end - (j0 + 2 * t);
-          const int visible_end = static_cast<int>(end < 0 ? 0 : (end > kBlockN ? kBlockN : end));
+          const int visible_end = visible_keys(p, i, row < m_rows, j0 + 2 * t, kBlockN);
           const char* m = mask_ptr(p, mask_elem_bytes, b, h, i, j0 + 2 * t);
           const int64_t m_step = opaque(p.mask_stride[3] * mask_elem_bytes);  // bytes from key j to j + 1
 #pragma unroll

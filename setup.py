@@ -47,11 +47,25 @@ from torch.utils import cpp_extension  # noqa: E402
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-# Per instruction set compiler flags for the kernel files named *_<isa>.cpp.
-ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"]} if X86 else {}
 
+
+def _isa_flags():
+    """{isa: flags} for the kernel files csrc/cpu/attention_kernel_<isa>.cpp (x86-64 only).
+    csrc/cpu/isa_flags.txt is the one list; CMakeLists.txt reads it too."""
+    flags = {}
+    with open(os.path.join(ROOT, "csrc", "cpu", "isa_flags.txt")) as f:
+        for line in f:
+            words = line.split("#", 1)[0].split()
+            if words:
+                flags[words[0]] = words[1:]
+    return flags
+
+
+ISA_FLAGS = _isa_flags()
 cpu_sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-cpu_sources = [s for s in cpu_sources if X86 or not s.endswith("_avx2.cpp")]
+if not X86:  # only the portable variant elsewhere
+    cpu_sources = [s for s in cpu_sources if not any(s.endswith(f"_{isa}.cpp") for isa in ISA_FLAGS)]
+    ISA_FLAGS = {}
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
 with_cuda = (
     not CPU_ONLY
@@ -79,8 +93,6 @@ with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
 # -fopenmp: at::parallel_for is inline and runs serially without it. The
 # library then needs libgomp.so.1, which is the one torch ships and has loaded.
 cxx_flags = ["-O3", "-fopenmp", "-fvisibility=hidden", f'-DATTN_EXT_BUILD_INFO="{build_info}"']
-if ISA_FLAGS:
-    cxx_flags.append("-DATTN_EXT_HAVE_AVX2")
 extra_compile_args = {"cxx": cxx_flags}
 include_dirs = [os.path.join(ROOT, "csrc")]
 define_macros = []

@@ -15,23 +15,33 @@ import time
 import torch
 
 
-_ISA_RANK = {"DEFAULT": 0, "AVX2": 1, "AVX512": 2}
+_ISA_WHAT = {
+    "default": "portable at::vec code",
+    "avx2": "AVX2 + FMA, 8 float lanes",
+    "avx512": "AVX-512, 16 float lanes, 32 registers",
+    "amx": "AMX-BF16 tiles for bfloat16, avx512 for the other dtypes",
+}
 
 
 def _cpu_kernel_lines(lib):
-    """One line per compiled CPU instruction set: usable here, or why not."""
-    cpu = torch.backends.cpu.get_cpu_capability()
-    active = lib.get("cpu_isa_active")
+    """One line per compiled CPU kernel variant: running, usable, or why not."""
+    import os
+
+    active = lib.get("cpu_isa_active", "")
+    supported = set(lib.get("cpu_isas_supported", "").split())
+    forced = os.environ.get("ATTN_EXT_CPU_ISA")
     lines = []
-    for isa in (lib.get("cpu_isas") or "DEFAULT").split():
+    for isa in (lib.get("cpu_isas") or "default").split():
+        what = _ISA_WHAT.get(isa, "")
         if isa == active:
-            state = "usable, running"
-        elif _ISA_RANK.get(cpu, 0) >= _ISA_RANK.get(isa, 0):
-            state = "usable (a wider one runs)" if _ISA_RANK.get(isa, 0) < _ISA_RANK.get(active, 0) else \
-                "not used: ATEN_CPU_CAPABILITY caps this process below it"
+            state = "usable, running" + (" (ATTN_EXT_CPU_ISA)" if forced else "")
+        elif isa in supported:
+            state = "usable (ATTN_EXT_CPU_ISA=" + isa + " selects it)"
         else:
-            state = f"not usable: this CPU's capability is {cpu}"
-        lines.append(f"{isa:<8} {state}")
+            state = "not usable: this CPU (or its OS) lacks the instructions"
+        lines.append(f"{isa:<8} {state}; {what}")
+    if not active or active.startswith("none"):
+        lines.append(f"error: {active}")
     if lib.get("openmp") != "yes":
         lines.append("warning: built without OpenMP, the kernels run on one thread")
     return lines
@@ -69,7 +79,8 @@ def _info(args):
     print(f"attn_ext {__version__}")
     print(f"  built against   torch {built.get('torch')}, CUDA {built.get('cuda')}, CUDA archs {built.get('cuda_archs')}")
     print(f"  running on      torch {torch.__version__}, CUDA {torch.version.cuda or 'none'}")
-    print(f"  CPU kernels     compiled for {lib.get('cpu_isas')}; this CPU: {torch.backends.cpu.get_cpu_capability()}")
+    print(f"  CPU kernels     compiled for {lib.get('cpu_isas')}; torch's CPU capability here: "
+          f"{torch.backends.cpu.get_cpu_capability()}; ATTN_EXT_CPU_ISA forces one")
     for line in _cpu_kernel_lines(lib):
         print(f"    {line}")
     print("  CUDA kernels")

@@ -7,7 +7,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "cpu/kernels.h"
 
 #if defined(ATTN_EXT_BUILD_INFO_HEADER)
 #include ATTN_EXT_BUILD_INFO_HEADER  // CMake writes the build info into a header
@@ -197,7 +196,7 @@ at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& p) {
 namespace {
 std::string build_info() {
   std::ostringstream os;
-  os << ATTN_EXT_BUILD_INFO << ";cpu_isas=" << cpu::compiled_isas() << ";cpu_isa_active=" << cpu::active_isa();
+  os << ATTN_EXT_BUILD_INFO << ";" << cpu::kernel_info();
 #if defined(_OPENMP)
   os << ";openmp=yes";  // at::parallel_for is inline: without OpenMP it runs on one thread
 #else

@@ -54,6 +54,12 @@ void describe_grad_output(AttnBwdParams& p, const at::Tensor& grad_out, const at
 void describe_grad_probs(AttnBwdParams& p, const at::Tensor& grad_probs, const at::Tensor& probs,
                          const at::Tensor& query);
 
+namespace cpu {
+// The CPU kernel variants: "cpu_isas=...;cpu_isas_supported=...;cpu_isa_active=..."
+// (csrc/cpu/dispatch.cpp), for the build_info op.
+std::string kernel_info();
+}  // namespace cpu
+
 // float32 for float16/bfloat16/float32, float64 for float64.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);
 

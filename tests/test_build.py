@@ -13,8 +13,43 @@ def test_library_runs_cpu_kernels_in_parallel():
 def test_library_reports_the_torch_it_was_built_for():
     info = _build.library_info()
     assert info["torch"] == torch.__version__ == _build.built_for()["torch"]
-    assert "DEFAULT" in info["cpu_isas"].split()
-    assert info["cpu_isa_active"] in info["cpu_isas"].split()
+    assert "default" in info["cpu_isas"].split()
+    assert info["cpu_isa_active"] in info["cpu_isas_supported"].split()
+    assert set(info["cpu_isas_supported"].split()) <= set(info["cpu_isas"].split())
+
+
+def test_cpu_isa_switch_picks_each_variant_and_rejects_others(monkeypatch):
+    """ATTN_EXT_CPU_ISA forces a variant: each one this CPU runs becomes the active one and
+    computes the same attention; an unknown name is an error naming the variable and the value."""
+    from attn_ext import scaled_dot_product_attention
+
+    compiled = _build.library_info()["cpu_isas"].split()
+    supported = _build.library_info()["cpu_isas_supported"].split()
+    q = torch.randn(1, 2, 40, 16)
+    outs = {}
+    for isa in supported:
+        monkeypatch.setenv("ATTN_EXT_CPU_ISA", isa)
+        assert _build.library_info()["cpu_isa_active"] == isa
+        outs[isa] = scaled_dot_product_attention(q, q, q)
+    for isa, out in outs.items():
+        torch.testing.assert_close(out, outs["default"], msg=isa)
+
+    monkeypatch.setenv("ATTN_EXT_CPU_ISA", "avx1024")
+    try:
+        scaled_dot_product_attention(q, q, q)
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("ATTN_EXT_CPU_ISA=avx1024 was accepted")
+    assert "ATTN_EXT_CPU_ISA=avx1024" in msg and " ".join(compiled) in msg
+    for isa in set(compiled) - set(supported):  # e.g. avx512 on an AVX2-only CPU
+        monkeypatch.setenv("ATTN_EXT_CPU_ISA", isa)
+        try:
+            scaled_dot_product_attention(q, q, q)
+        except RuntimeError as e:
+            assert f"ATTN_EXT_CPU_ISA={isa}" in str(e) and "cannot run" in str(e)
+        else:
+            raise AssertionError(f"ATTN_EXT_CPU_ISA={isa} ran on a CPU that lacks it")
 
 
 def test_mismatched_torch_raises_one_clear_sentence(monkeypatch):

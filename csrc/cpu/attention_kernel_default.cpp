@@ -1,5 +1,6 @@
-// attn_ext: the CPU kernels compiled for the DEFAULT instruction set.
-// setup.py and CMakeLists.txt add the compiler flags for files named *_avx2.cpp.
+// attn_ext: the CPU kernels with no extra instruction set (at::vec's portable
+// code): the fallback every CPU runs.
 #define CPU_CAPABILITY DEFAULT
-
 #include "attention_kernel_impl.h"
+
+ATTN_EXT_REGISTER_CPU_KERNELS("default", 0, DEFAULT)

@@ -1,8 +1,9 @@
 // attn_ext: fused attention on the CPU, forward and backward.
 //
 // Included once per instruction set by attention_kernel_<isa>.cpp, which
-// defines CPU_CAPABILITY (DEFAULT, AVX2) before including it; every symbol
-// lands in attn_ext::cpu::CPU_CAPABILITY.
+// defines CPU_CAPABILITY (DEFAULT, AVX2, AVX512: at::vec's choice of code)
+// before including it; every symbol lands in attn_ext::cpu::ATTN_EXT_KERNEL_NS,
+// which is CPU_CAPABILITY unless the unit names another (the amx unit).
 //
 // Method (FlashAttention-2 on the CPU): the queries are cut into blocks of
 // rows and the keys into tiles (see Tiles below); one forward task is one
@@ -23,10 +24,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -34,7 +37,11 @@
 #include "../attention_math.h"
 #include "kernels.h"
 
-namespace attn_ext::cpu::CPU_CAPABILITY {
+#ifndef ATTN_EXT_KERNEL_NS
+#define ATTN_EXT_KERNEL_NS CPU_CAPABILITY
+#endif
+
+namespace attn_ext::cpu::ATTN_EXT_KERNEL_NS {
 
 using at::vec::Vectorized;
 
@@ -42,7 +49,14 @@ using at::vec::Vectorized;
 template <typename scalar_t>
 using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-constexpr int kGemmRows = 6;  // micro-kernel: 6 rows x 2 vectors = 12 accumulators
+// Micro-kernel register blocking: kGemmRows rows x 2 vectors of accumulators,
+// plus 2 vectors of B and one broadcast of A. AVX-512 has 32 vector registers
+// (12 x 2 = 24 accumulators), AVX2 16 (6 x 2 = 12).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kGemmRows = 12;
+#else
+constexpr int kGemmRows = 6;
+#endif
 
 // Tile sizes, in one place. The forward keeps a (q x kv) score tile, the
 // scaled Q tile, the K^T and V tiles and the output tile in the core's L2;
@@ -56,6 +70,21 @@ inline Tiles forward_tiles(int64_t L) { return L >= 768 ? Tiles{256, 128} : Tile
 inline Tiles backward_tiles() { return Tiles{64, 256}; }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Tile buffers start on a cache line (an AMX tile row is one line when its width is).
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* ptr, size_t) { ::operator delete(ptr, std::align_val_t(64)); }
+  bool operator==(const CacheLineAllocator&) const { return true; }
+  bool operator!=(const CacheLineAllocator&) const { return false; }
+};
+template <typename T>
+using Buffer = std::vector<T, CacheLineAllocator<T>>;
 inline int64_t ceil_div(int64_t x, int64_t m) { return (x + m - 1) / m; }
 
 // ---------------------------------------------------------------------------
@@ -70,7 +99,7 @@ inline void gemm_micro(int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_c
   using Vec = Vectorized<T>;
   constexpr int VS = Vec::size();
   Vec acc[MR][NV];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[r][v] = Vec(T(0));
@@ -80,7 +109,7 @@ inline void gemm_micro(int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_c
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = Vec::loadu(brow + v * VS);
     const T* acol = a + kk * a_cs;
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const Vec av(acol[r * a_rs]);
 #pragma GCC unroll 4
@@ -88,7 +117,7 @@ inline void gemm_micro(int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_c
     }
   }
   const Vec valpha(alpha);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
   for (int r = 0; r < MR; ++r) {
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) {
@@ -100,22 +129,23 @@ inline void gemm_micro(int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_c
   }
 }
 
+// The last M % kGemmRows rows of a strip: one micro-kernel of exactly that height.
+template <typename T, int NV, int R>
+inline void gemm_tail(int64_t rows, int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_cs, const T* b,
+                      int64_t ldb, bool accumulate, T* c, int64_t ldc) {
+  if constexpr (R > 0) {
+    if (rows == R) return gemm_micro<T, R, NV>(K, alpha, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
+    gemm_tail<T, NV, R - 1>(rows, K, alpha, a, a_rs, a_cs, b, ldb, accumulate, c, ldc);
+  }
+}
+
 template <typename T, int NV>
 inline void gemm_strip(int64_t M, int64_t K, T alpha, const T* a, int64_t a_rs, int64_t a_cs,
                        const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
   int64_t m = 0;
   for (; m + kGemmRows <= M; m += kGemmRows)
     gemm_micro<T, kGemmRows, NV>(K, alpha, a + m * a_rs, a_rs, a_cs, b, ldb, accumulate, c + m * ldc, ldc);
-  const T* at = a + m * a_rs;
-  T* ct = c + m * ldc;
-  switch (M - m) {
-    case 0: break;
-    case 1: gemm_micro<T, 1, NV>(K, alpha, at, a_rs, a_cs, b, ldb, accumulate, ct, ldc); break;
-    case 2: gemm_micro<T, 2, NV>(K, alpha, at, a_rs, a_cs, b, ldb, accumulate, ct, ldc); break;
-    case 3: gemm_micro<T, 3, NV>(K, alpha, at, a_rs, a_cs, b, ldb, accumulate, ct, ldc); break;
-    case 4: gemm_micro<T, 4, NV>(K, alpha, at, a_rs, a_cs, b, ldb, accumulate, ct, ldc); break;
-    default: gemm_micro<T, 5, NV>(K, alpha, at, a_rs, a_cs, b, ldb, accumulate, ct, ldc); break;
-  }
+  gemm_tail<T, NV, kGemmRows - 1>(M - m, K, alpha, a + m * a_rs, a_rs, a_cs, b, ldb, accumulate, c + m * ldc, ldc);
 }
 
 template <typename T>
@@ -141,15 +171,16 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
 }
 
 template <typename T>
+inline T hsum(const Vectorized<T>& x) {
+  return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return a + b; }, x);
+}
+
+template <typename T>
 inline T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
   Vec acc(-std::numeric_limits<T>::infinity());
   for (int64_t j = 0; j < n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
-  T buf[Vec::size()];
-  acc.store(buf);
-  T m = buf[0];
-  for (int i = 1; i < Vec::size(); ++i) m = std::max(m, buf[i]);
-  return m;
+  return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return at::vec::maximum(a, b); }, acc);
 }
 
 // s = exp(s - shift); returns the sum. -inf entries become 0.
@@ -163,11 +194,7 @@ inline T exp_shift_sum(T* s, int64_t n, T shift) {
     e.store(s + j);
     acc = acc + e;
   }
-  T buf[Vec::size()];
-  acc.store(buf);
-  T sum = 0;
-  for (int i = 0; i < Vec::size(); ++i) sum += buf[i];
-  return sum;
+  return hsum(acc);
 }
 
 template <typename T>
@@ -219,37 +246,14 @@ inline T dot_product(const T* a, const T* b, int64_t n) {
     acc1 = at::vec::fmadd(Vec::loadu(a + e + VS), Vec::loadu(b + e + VS), acc1);
   }
   for (; e + VS <= n; e += VS) acc0 = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc0);
-  T buf[VS];
-  (acc0 + acc1).store(buf);
-  T sum = 0;
-  for (int64_t i = 0; i < VS; ++i) sum += buf[i];
+  T sum = hsum(acc0 + acc1);
   for (; e < n; ++e) sum += a[e] * b[e];
   return sum;
 }
 
-// The score tile st (m, ld) = qt (m, E) K[j0 : j0 + n]^T, K rows at k with strides (rs, cs).
-// Up to kDirectRows query rows (decoding: L = 1) read each key row in place (converted
-// through krow (E) when it is not a contiguous row of T): packing K^T for the
-// micro-kernel would cost more than such a product. More rows pack K^T into kt (E, ld).
+// Query blocks of up to kDirectRows rows (decoding: L = 1) read each key row in
+// place: packing K^T for the micro-kernel would cost more than such a product.
 constexpr int64_t kDirectRows = 2;
-
-template <typename scalar_t, typename T>
-inline void score_tile(T* st, int64_t ld, const T* qt, int64_t m, int64_t E, const scalar_t* k, int64_t rs,
-                       int64_t cs, int64_t n, T* kt, T* krow) {
-  if (m > kDirectRows) {
-    pack_transposed(kt, ld, k, rs, cs, n, E);
-    gemm<T>(m, ld, E, T(1), qt, E, 1, kt, ld, false, st, ld);
-    return;
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kr = krow;
-    if constexpr (std::is_same_v<scalar_t, T>) {
-      if (cs == 1) kr = k + j * rs;
-    }
-    if (kr == krow) load_row(krow, k + j * rs, E, cs, T(1), E);
-    for (int64_t r = 0; r < m; ++r) st[r * ld + j] = dot_product(qt + r * E, kr, E);
-  }
-}
 
 // ---------------------------------------------------------------------------
 // Masking of one row of a score tile. Shared by forward and backward so that
@@ -316,44 +320,151 @@ inline void probabilities_row(const AttnParams& p, const Dropout<T>& drop, T* s,
 }
 
 // ---------------------------------------------------------------------------
-// Forward. With p.probs set (the attention_probs op) there is no V: the first
-// pass only finds each row's log-sum-exp and a second pass writes the
-// probabilities.
+// The forward's products, with at::vec (every ISA, every dtype): S = (scale Q) K^T
+// and O += P V on one thread. A forward task is one (batch, head, query block);
+// a thread's consecutive tasks mostly share their key/value head, so K^T is
+// packed once per (batch, kv head) and kept while it fits (kKeyCacheBytes).
+// The amx unit has a bfloat16 class with the same members on AMX tiles.
 // ---------------------------------------------------------------------------
+constexpr int64_t kKeyCacheBytes = int64_t(8) << 20;
+
 template <typename scalar_t>
-void forward_kernel(const AttnParams& p) {
+class VecForwardProducts {
+ public:
   using T = acc_t<scalar_t>;
-  using Vec = Vectorized<T>;
-  constexpr int64_t VS = Vec::size();
+  static constexpr int64_t kCols = Vectorized<T>::size();  // S and O tile columns are padded to this
+  static constexpr int64_t kKeyAlign = kCols;               // key blocks are a multiple of this
+
+  VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
+      : p_(p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
+        q_(static_cast<const scalar_t*>(p.q)), k_(static_cast<const scalar_t*>(p.k)),
+        v_(static_cast<const scalar_t*>(p.v)),
+        v_direct_(p.probs == nullptr && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && p.Ev % kCols == 0) {
+    const int64_t E1 = std::max<int64_t>(E_, 1);
+    const int64_t all_blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
+    cache_ = E1 * all_blocks * kv_block * int64_t(sizeof(T)) <= kKeyCacheBytes;
+    qt_.resize(q_block * E1);
+    kt_.resize(E1 * kv_block * (cache_ ? all_blocks : 1));
+    krow_.resize(E1);
+    if (!v_direct_ && p.probs == nullptr) vt_.resize(kv_block * Evp_);
+  }
+
+  int64_t out_ld() const { return Evp_; }
+
+  // Q rows [i0, i0 + m) of head h of batch b, times the scale.
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    const scalar_t* q_bh = q_ + b * p_.q_stride[0] + h * p_.q_stride[1];
+    m_ = m;
+    for (int64_t r = 0; r < m; ++r)
+      load_row(qt_.data() + r * E_, q_bh + (i0 + r) * p_.q_stride[2], E_, p_.q_stride[3], static_cast<T>(p_.scale),
+               E_);
+  }
+
+  // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk.
+  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    const scalar_t* k_tile = k_ + b * p_.k_stride[0] + hk * p_.k_stride[1] + j0 * p_.k_stride[2];
+    if (m_ <= kDirectRows) {  // decoding: read each key row in place
+      score_rows_direct(st, ld, n, k_tile);
+      return;
+    }
+    const T* kt = packed_keys(b, hk, j0 / kv_block_, n, k_tile);
+    gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
+  }
+
+  // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
+  void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    const scalar_t* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
+    const T* vtile = vt_.data();
+    int64_t ldv = Evp_;
+    if constexpr (std::is_same_v<scalar_t, T>) {
+      if (v_direct_) {
+        vtile = v_tile;
+        ldv = p_.v_stride[2];
+      }
+    }
+    if (!v_direct_) {
+      for (int64_t j = 0; j < n; ++j)
+        load_row(vt_.data() + j * Evp_, v_tile + j * p_.v_stride[2], Ev_, p_.v_stride[3], T(1), Evp_);
+    }
+    gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vtile, ldv, true, ot, Evp_);
+  }
+
+ private:
+  // K^T of key block `blk` (E x kv_block), packed on first use for this (batch, kv head).
+  // Cached panels hold the whole block, whatever part of it (n keys) the first user saw.
+  const T* packed_keys(int64_t b, int64_t hk, int64_t blk, int64_t n, const scalar_t* k_tile) {
+    const int64_t panel = E_ * kv_block_;
+    n = std::min(kv_block_, p_.S - blk * kv_block_);
+    if (!cache_) {
+      pack_transposed(kt_.data(), kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
+      return kt_.data();
+    }
+    const int64_t head = b * p_.Hkv + hk;
+    if (head != cached_head_) {
+      cached_head_ = head;
+      packed_.assign(ceil_div(std::max<int64_t>(p_.S, 1), kv_block_), false);
+    }
+    if (!packed_[blk]) {
+      pack_transposed(kt_.data() + blk * panel, kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
+      packed_[blk] = true;
+    }
+    return kt_.data() + blk * panel;
+  }
+
+  void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* kr = krow_.data();
+      if constexpr (std::is_same_v<scalar_t, T>) {
+        if (p_.k_stride[3] == 1) kr = k_tile + j * p_.k_stride[2];
+      }
+      if (kr == krow_.data()) load_row(krow_.data(), k_tile + j * p_.k_stride[2], E_, p_.k_stride[3], T(1), E_);
+      for (int64_t r = 0; r < m_; ++r) st[r * ld + j] = dot_product(qt_.data() + r * E_, kr, E_);
+    }
+    for (int64_t r = 0; r < m_; ++r) std::fill(st + r * ld + n, st + (r + 1) * ld, T(0));
+  }
+
+  const AttnParams& p_;
+  const int64_t E_, Ev_, Evp_, kv_block_;
+  const scalar_t* q_;
+  const scalar_t* k_;
+  const scalar_t* v_;
+  const bool v_direct_;
+  bool cache_ = false;
+  int64_t m_ = 0;
+  int64_t cached_head_ = -1;
+  std::vector<bool> packed_;
+  std::vector<T> qt_, kt_, krow_, vt_;
+};
+
+// ---------------------------------------------------------------------------
+// Forward (FlashAttention-2's loop; Products does the two matrix products).
+// With p.probs set (the attention_probs op) there is no V: the first pass
+// only finds each row's log-sum-exp and a second pass writes the probabilities.
+// ---------------------------------------------------------------------------
+template <typename scalar_t, typename Products>
+void forward_driver(const AttnParams& p) {
+  using T = acc_t<scalar_t>;
+  constexpr int64_t kCols = Products::kCols;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-  const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, E = p.E, Ev = p.Ev;
+  const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, Ev = p.Ev;
   const int64_t group = Hq / p.Hkv;
   const Tiles tiles = forward_tiles(L);
   const int64_t q_block = tiles.q;
   const int64_t n_qblocks = ceil_div(L, q_block);
-  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), VS));
-  const int64_t Evp = round_up(Ev, VS);
-  const T scale = static_cast<T>(p.scale);
+  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
   const Dropout<T> drop(p);
   const bool write_probs = p.probs != nullptr;
 
-  const auto* q = static_cast<const scalar_t*>(p.q);
-  const auto* k = static_cast<const scalar_t*>(p.k);
-  const auto* v = static_cast<const scalar_t*>(p.v);
   auto* out = static_cast<scalar_t*>(p.out);
   auto* lse = static_cast<T*>(p.lse);
   auto* probs = static_cast<scalar_t*>(p.probs);
-  // V can be read in place when it already is the tile the micro-kernel wants.
-  const bool v_direct = !write_probs && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && Ev % VS == 0;
 
   at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> qt(q_block * std::max<int64_t>(E, 1));
-    std::vector<T> kt(std::max<int64_t>(E, 1) * kv_block);
-    std::vector<T> vt(v_direct || write_probs ? 0 : kv_block * Evp);
-    std::vector<T> st(q_block * kv_block);
-    std::vector<T> ot(write_probs ? 0 : q_block * Evp);
-    std::vector<T> krow(std::max<int64_t>(E, 1));
+    Products products(p, q_block, kv_block);
+    const int64_t ldo = products.out_ld();
+    Buffer<T> st(q_block * kv_block);
+    Buffer<T> ot(write_probs ? 0 : q_block * ldo);
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
 
@@ -367,34 +478,15 @@ void forward_kernel(const AttnParams& p) {
       // Rows see keys [0, causal_key_end(row)), which grows with the row.
       const int64_t kv_end = causal_key_end(p, i0 + m - 1);
 
-      const scalar_t* q_bh = q + b * p.q_stride[0] + h * p.q_stride[1];
-      const scalar_t* k_bh = k + b * p.k_stride[0] + hk * p.k_stride[1];
-      const scalar_t* v_bh = write_probs ? nullptr : v + b * p.v_stride[0] + hk * p.v_stride[1];
-      for (int64_t r = 0; r < m; ++r)
-        load_row(qt.data() + r * E, q_bh + (i0 + r) * p.q_stride[2], E, p.q_stride[3], scale, E);
+      products.load_q(b, h, i0, m);
       std::fill(ot.begin(), ot.end(), T(0));
       std::fill(row_m, row_m + m, kNegInf);
       std::fill(row_l, row_l + m, T(0));
 
       for (int64_t j0 = 0; j0 < kv_end; j0 += kv_block) {
         const int64_t n = std::min(kv_block, kv_end - j0);
-        const int64_t np = round_up(n, VS);
-        // S = (scale Q) K^T
-        score_tile(st.data(), np, qt.data(), m, E, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n,
-                   kt.data(), krow.data());
-        const T* vtile = vt.data();
-        int64_t ldv = Evp;
-        if constexpr (std::is_same_v<scalar_t, T>) {
-          if (v_direct) {
-            vtile = v_bh + j0 * p.v_stride[2];
-            ldv = p.v_stride[2];
-          }
-        }
-        if (!v_direct && !write_probs) {
-          for (int64_t j = 0; j < n; ++j)
-            load_row(vt.data() + j * Evp, v_bh + (j0 + j) * p.v_stride[2], Ev, p.v_stride[3], T(1), Evp);
-        }
-
+        const int64_t np = round_up(n, kCols);
+        products.scores(st.data(), np, b, hk, j0, n);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -408,15 +500,14 @@ void forward_kernel(const AttnParams& p) {
           row_l[r] = row_l[r] * correction + exp_shift_sum(s, np, m_new);
           row_m[r] = m_new;
           if (write_probs) continue;
-          if (correction != T(1)) scale_row(ot.data() + r * Evp, Evp, correction);
+          if (correction != T(1)) scale_row(ot.data() + r * ldo, ldo, correction);
           if (drop.on) {
             DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
             for (int64_t j = 0; j < n; ++j)
               if (rng.next() < drop.threshold) s[j] = T(0);
           }
         }
-        // O += P V
-        if (!write_probs) gemm<T>(m, Evp, n, T(1), st.data(), np, 1, vtile, ldv, true, ot.data(), Evp);
+        if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n);
       }
 
       T* lse_bh = lse + (b * Hq + h) * L;
@@ -430,7 +521,7 @@ void forward_kernel(const AttnParams& p) {
         for (int64_t r = 0; r < m; ++r) {
           const T l = row_l[r];
           const T inv = l > T(0) ? drop.keep_scale / l : T(0);
-          store_row(o_bh + (i0 + r) * p.o_stride[2], p.o_stride[3], ot.data() + r * Evp, Ev, inv);
+          store_row(o_bh + (i0 + r) * p.o_stride[2], p.o_stride[3], ot.data() + r * ldo, Ev, inv);
         }
         continue;
       }
@@ -439,11 +530,8 @@ void forward_kernel(const AttnParams& p) {
       scalar_t* p_bh = probs + b * p.probs_stride[0] + h * p.probs_stride[1];
       for (int64_t j0 = 0; j0 < S; j0 += kv_block) {
         const int64_t n = std::min(kv_block, S - j0);
-        const int64_t np = round_up(n, VS);
-        if (j0 < kv_end) {
-          score_tile(st.data(), np, qt.data(), m, E, k_bh + j0 * p.k_stride[2], p.k_stride[2], p.k_stride[3], n,
-                     kt.data(), krow.data());
-        }
+        const int64_t np = round_up(n, kCols);
+        if (j0 < kv_end) products.scores(st.data(), np, b, hk, j0, n);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -460,36 +548,128 @@ void forward_kernel(const AttnParams& p) {
   });
 }
 
+template <typename scalar_t>
+void forward_kernel(const AttnParams& p) {
+  forward_driver<scalar_t, VecForwardProducts<scalar_t>>(p);
+}
+
+// ---------------------------------------------------------------------------
+// The backward's products with at::vec, on one thread. Per key block it packs
+// K^T, V^T and K; per query block scale Q and dO; then
+//   S = (scale Q) K^T,  dP = dO V^T,
+//   dV += Z^T dO,  dQ += scale dS K,  dK += dS^T (scale Q).
+// dQ and dK come out final (dq_scale = dk_scale = 1). The amx unit has a
+// bfloat16 class with the same members on AMX tiles.
+// ---------------------------------------------------------------------------
+template <typename scalar_t>
+class VecBackwardProducts {
+ public:
+  using T = acc_t<scalar_t>;
+  static constexpr int64_t kCols = Vectorized<T>::size();  // tile columns and accumulator rows pad to this
+  static constexpr int64_t kKeyAlign = kCols;
+  static T dq_scale(const AttnParams&) { return T(1); }
+  static T dk_scale(const AttnParams&) { return T(1); }
+
+  VecBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
+      : p_(p), E_(p.E), Ev_(p.Ev), Ep_(round_up(std::max<int64_t>(p.E, 1), kCols)),
+        Evp_(round_up(std::max<int64_t>(p.Ev, 1), kCols)), from_probs_(p.dprobs != nullptr),
+        scale_(static_cast<T>(p.scale)) {
+    qt_.resize(q_block * Ep_);
+    dot_.resize(q_block * Evp_);
+    kt_.resize(std::max<int64_t>(E_, 1) * kv_block);
+    kn_.resize(kv_block * Ep_);
+    vt_.resize(std::max<int64_t>(Ev_, 1) * kv_block);
+  }
+
+  // Keys and values [j0, j0 + n) of kv head hk.
+  void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    n_ = n;
+    np_ = round_up(n, kCols);
+    const auto* k_tile = static_cast<const scalar_t*>(p_.k) + b * p_.k_stride[0] + hk * p_.k_stride[1] +
+                         j0 * p_.k_stride[2];
+    pack_transposed(kt_.data(), np_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
+    for (int64_t j = 0; j < n; ++j)
+      load_row(kn_.data() + j * Ep_, k_tile + j * p_.k_stride[2], E_, p_.k_stride[3], T(1), Ep_);
+    if (from_probs_) return;
+    const auto* v_tile = static_cast<const scalar_t*>(p_.v) + b * p_.v_stride[0] + hk * p_.v_stride[1] +
+                         j0 * p_.v_stride[2];
+    pack_transposed(vt_.data(), np_, v_tile, p_.v_stride[2], p_.v_stride[3], n, Ev_);
+  }
+
+  // Query (and output gradient) rows [i0, i0 + m) of head h.
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    m_ = m;
+    const auto* q_rows = static_cast<const scalar_t*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] +
+                         i0 * p_.q_stride[2];
+    for (int64_t r = 0; r < m; ++r)
+      load_row(qt_.data() + r * Ep_, q_rows + r * p_.q_stride[2], E_, p_.q_stride[3], scale_, Ep_);
+    if (from_probs_) return;
+    const auto* do_rows = static_cast<const scalar_t*>(p_.dout) + b * p_.do_stride[0] + h * p_.do_stride[1] +
+                          i0 * p_.do_stride[2];
+    for (int64_t r = 0; r < m; ++r)
+      load_row(dot_.data() + r * Evp_, do_rows + r * p_.do_stride[2], Ev_, p_.do_stride[3], T(1), Evp_);
+  }
+
+  // st (m x np, row stride np) = (scale Q) K^T.
+  void scores(T* st) { gemm<T>(m_, np_, E_, T(1), qt_.data(), Ep_, 1, kt_.data(), np_, false, st, np_); }
+  // dst (m x np) = dO V^T.
+  void grad_probs(T* dst) { gemm<T>(m_, np_, Ev_, T(1), dot_.data(), Evp_, 1, vt_.data(), np_, false, dst, np_); }
+  // dv (n x Evp) += Z^T dO, Z (m x np).
+  void add_dv(T* dv, const T* z) { gemm<T>(n_, Evp_, m_, T(1), z, 1, np_, dot_.data(), Evp_, true, dv, Evp_); }
+  // dq (m x Ep) += scale dS K.
+  void add_dq(T* dq, const T* ds) { gemm<T>(m_, Ep_, n_, scale_, ds, np_, 1, kn_.data(), Ep_, true, dq, Ep_); }
+  // dk (n x Ep) += dS^T (scale Q).
+  void add_dk(T* dk, const T* ds) { gemm<T>(n_, Ep_, m_, T(1), ds, 1, np_, qt_.data(), Ep_, true, dk, Ep_); }
+
+ private:
+  const AttnBwdParams& p_;
+  const int64_t E_, Ev_, Ep_, Evp_;
+  const bool from_probs_;
+  const T scale_;
+  int64_t m_ = 0, n_ = 0, np_ = 0;
+  std::vector<T> qt_, dot_, kt_, kn_, vt_;
+};
+
+// How many chunks the keys of one (batch, kv head) are split into, so that the
+// backward has a task for every thread: 1 when there are as many heads as
+// threads. Chunk c takes key blocks c, c + chunks, ... (round-robin keeps
+// causal work even); each chunk sums its own dQ and the chunks are added after.
+inline int64_t backward_key_chunks(int64_t heads, int64_t key_blocks) {
+  const int64_t threads = at::get_num_threads();
+  if (heads >= threads || key_blocks <= 1) return 1;
+  return std::min(key_blocks, ceil_div(threads, heads));
+}
+
 // ---------------------------------------------------------------------------
 // Backward
 //   D_i  = sum_e dO_ie O_ie - dlse_i
 //   P    = exp(S - lse),  Z = P * keep / (1 - p)
 //   dV  += Z^T dO,  dP = (dO V^T) * keep / (1 - p),  dS = P * (dP - D)
 //   dQ  += scale dS K,  dK += scale dS^T Q,  dmask += dS
+// One task is one (batch, kv head, chunk of key blocks): it owns dK and dV of
+// its key blocks and visits every query block of the head's query group.
 // ---------------------------------------------------------------------------
-template <typename scalar_t>
-void backward_kernel(const AttnBwdParams& p) {
+template <typename scalar_t, typename Products>
+void backward_driver(const AttnBwdParams& p) {
   using T = acc_t<scalar_t>;
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
+  constexpr int64_t kCols = Products::kCols;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
   const int64_t B = p.B, Hq = p.Hq, Hkv = p.Hkv, L = p.L, S = p.S, E = p.E, Ev = p.Ev;
   const int64_t group = Hq / Hkv;
   const Tiles tiles = backward_tiles();
   const int64_t q_block = tiles.q;
-  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), VS));
-  const int64_t Ep = round_up(std::max<int64_t>(E, 1), VS);
-  const int64_t Evp = round_up(std::max<int64_t>(Ev, 1), VS);
-  const T scale = static_cast<T>(p.scale);
+  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
+  const int64_t key_blocks = ceil_div(S, kv_block);
+  const int64_t Ep = round_up(std::max<int64_t>(E, 1), kCols);
+  const int64_t Evp = round_up(std::max<int64_t>(Ev, 1), kCols);
   const Dropout<T> drop(p);
   const bool dropout = drop.on;
   // attention_probs' backward: the gradient comes for the probabilities.
   const bool from_probs = p.dprobs != nullptr;
 
-  const auto* q = static_cast<const scalar_t*>(p.q);
-  const auto* k = static_cast<const scalar_t*>(p.k);
-  const auto* v = static_cast<const scalar_t*>(p.v);
   const auto* o = static_cast<const scalar_t*>(p.out);
   const auto* dout = static_cast<const scalar_t*>(p.dout);
   const auto* probs = static_cast<const scalar_t*>(p.probs);
@@ -500,76 +680,75 @@ void backward_kernel(const AttnBwdParams& p) {
   auto* dk = static_cast<scalar_t*>(p.dk);
   auto* dv = static_cast<scalar_t*>(p.dv);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> qt(q_block * Ep);       // scale Q tile, (m, Ep)
-    std::vector<T> dot(q_block * Evp);     // dO tile, (m, Evp)
-    std::vector<T> kt(E * kv_block);       // K^T tile, (E, np)
-    std::vector<T> kn(kv_block * Ep);      // K tile, (n, Ep)
-    std::vector<T> vt(Ev * kv_block);      // V^T tile, (Ev, np)
-    std::vector<T> pt(q_block * kv_block); // P tile
-    std::vector<T> zt(dropout ? q_block * kv_block : 0);  // dropped P tile
-    std::vector<T> dst(q_block * kv_block);  // dP, then dS
-    std::vector<T> dk_acc(kv_block * Ep);
-    std::vector<T> dv_acc(kv_block * Evp);
-    std::vector<T> dq_acc(group * L * Ep);
-    std::vector<T> delta(group * L);
+  // D for every row: rowsum(dO * O), which equals rowsum(dZ * Z) for the explicit probabilities Z.
+  std::vector<T> delta(B * Hq * L);
+  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hq, h = bh % Hq;
+      for (int64_t i = 0; i < L; ++i) {
+        T d = 0;
+        if (from_probs) {
+          const scalar_t* zrow = probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
+          const scalar_t* drow = dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + i * p.dprobs_stride[2];
+          for (int64_t j = 0; j < S; ++j)
+            d += static_cast<T>(zrow[j * p.probs_stride[3]]) * static_cast<T>(drow[j * p.dprobs_stride[3]]);
+        } else {
+          const scalar_t* orow = o + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+          const scalar_t* drow = dout + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
+          for (int64_t e = 0; e < Ev; ++e)
+            d += static_cast<T>(orow[e * p.o_stride[3]]) * static_cast<T>(drow[e * p.do_stride[3]]);
+        }
+        if (dlse != nullptr) d -= dlse[bh * L + i];
+        delta[bh * L + i] = d;
+      }
+    }
+  });
+
+  const int64_t heads = B * Hkv;
+  const int64_t chunks = backward_key_chunks(heads, key_blocks);
+  // dQ of one task's query group, (group * L, Ep), plus a tile of rows that
+  // tile-padded products may touch (they add zeros there).
+  const int64_t dq_size = (group * L + kCols) * Ep;
+  Buffer<T> dq_partial(chunks > 1 ? heads * chunks * dq_size : 0);
+  const T dq_mul = Products::dq_scale(p), dk_mul = Products::dk_scale(p);
+
+  at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    Products products(p, q_block, kv_block);
+    Buffer<T> pt(q_block * kv_block);                     // P tile
+    Buffer<T> zt(dropout ? q_block * kv_block : 0);       // dropped P tile
+    Buffer<T> dst(q_block * kv_block);                    // dP, then dS
+    Buffer<T> dk_acc(kv_block * Ep);
+    Buffer<T> dv_acc(kv_block * Evp);
+    Buffer<T> dq_own(chunks == 1 ? dq_size : 0);
     T* dmask = nullptr;
     if (p.dmask != nullptr)
       dmask = static_cast<T*>(p.dmask) + (p.dmask_per_thread ? at::get_thread_num() * p.dmask_numel : 0);
 
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t hk = task % Hkv;
-      const int64_t b = task / Hkv;
-      const scalar_t* k_bh = k + b * p.k_stride[0] + hk * p.k_stride[1];
-      const scalar_t* v_bh = from_probs ? nullptr : v + b * p.v_stride[0] + hk * p.v_stride[1];
+      const int64_t chunk = task % chunks;
+      const int64_t hk = (task / chunks) % Hkv;
+      const int64_t b = task / (chunks * Hkv);
+      T* dq_acc = chunks == 1 ? dq_own.data() : dq_partial.data() + task * dq_size;
+      std::fill(dq_acc, dq_acc + dq_size, T(0));
 
-      // D for every row of the group's query heads: rowsum(dO * O), which
-      // equals rowsum(dZ * Z) for the explicit probabilities Z.
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = hk * group + g;
-        for (int64_t i = 0; i < L; ++i) {
-          T d = 0;
-          if (from_probs) {
-            const scalar_t* zrow = probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
-            const scalar_t* drow = dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + i * p.dprobs_stride[2];
-            for (int64_t j = 0; j < S; ++j)
-              d += static_cast<T>(zrow[j * p.probs_stride[3]]) * static_cast<T>(drow[j * p.dprobs_stride[3]]);
-          } else {
-            const scalar_t* orow = o + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
-            const scalar_t* drow = dout + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
-            for (int64_t e = 0; e < Ev; ++e)
-              d += static_cast<T>(orow[e * p.o_stride[3]]) * static_cast<T>(drow[e * p.do_stride[3]]);
-          }
-          if (dlse != nullptr) d -= dlse[(b * Hq + h) * L + i];
-          delta[g * L + i] = d;
-        }
-      }
-      std::fill(dq_acc.begin(), dq_acc.end(), T(0));
-
-      for (int64_t j0 = 0; j0 < S; j0 += kv_block) {
+      for (int64_t blk = chunk; blk < key_blocks; blk += chunks) {
+        const int64_t j0 = blk * kv_block;
         const int64_t n = std::min(kv_block, S - j0);
-        const int64_t np = round_up(n, VS);
-        const scalar_t* k_tile = k_bh + j0 * p.k_stride[2];
-        pack_transposed(kt.data(), np, k_tile, p.k_stride[2], p.k_stride[3], n, E);
-        if (!from_probs)
-          pack_transposed(vt.data(), np, v_bh + j0 * p.v_stride[2], p.v_stride[2], p.v_stride[3], n, Ev);
-        for (int64_t j = 0; j < n; ++j)
-          load_row(kn.data() + j * Ep, k_tile + j * p.k_stride[2], E, p.k_stride[3], T(1), Ep);
-        std::fill(dk_acc.begin(), dk_acc.begin() + n * Ep, T(0));
-        std::fill(dv_acc.begin(), dv_acc.begin() + n * Evp, T(0));
+        const int64_t np = round_up(n, kCols);
+        products.load_kv(b, hk, j0, n);
+        std::fill(dk_acc.begin(), dk_acc.end(), T(0));
+        std::fill(dv_acc.begin(), dv_acc.end(), T(0));
 
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = hk * group + g;
-          const scalar_t* q_bh = q + b * p.q_stride[0] + h * p.q_stride[1];
-          const scalar_t* do_bh = from_probs ? nullptr : dout + b * p.do_stride[0] + h * p.do_stride[1];
           const T* lse_bh = lse + (b * Hq + h) * L;
+          const T* delta_bh = delta.data() + (b * Hq + h) * L;
           for (int64_t i0 = 0; i0 < L; i0 += q_block) {
             const int64_t m = std::min(q_block, L - i0);
             if (causal_key_end(p, i0 + m - 1) <= j0) continue;  // no row of this block sees these keys
-            for (int64_t r = 0; r < m; ++r)
-              load_row(qt.data() + r * Ep, q_bh + (i0 + r) * p.q_stride[2], E, p.q_stride[3], scale, Ep);
-            // S = (scale Q) K^T, dZ = dO V^T (or the given gradient of the probabilities)
-            gemm<T>(m, np, E, T(1), qt.data(), Ep, 1, kt.data(), np, false, pt.data(), np);
+            products.load_q(b, h, i0, m);
+            // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
+            products.scores(pt.data());
             if (from_probs) {
               for (int64_t r = 0; r < m; ++r)
                 load_row(dst.data() + r * np,
@@ -577,9 +756,7 @@ void backward_kernel(const AttnBwdParams& p) {
                              j0 * p.dprobs_stride[3],
                          n, p.dprobs_stride[3], T(1), np);
             } else {
-              for (int64_t r = 0; r < m; ++r)
-                load_row(dot.data() + r * Evp, do_bh + (i0 + r) * p.do_stride[2], Ev, p.do_stride[3], T(1), Evp);
-              gemm<T>(m, np, Ev, T(1), dot.data(), Evp, 1, vt.data(), np, false, dst.data(), np);
+              products.grad_probs(dst.data());
             }
 
             for (int64_t r = 0; r < m; ++r) {
@@ -595,7 +772,7 @@ void backward_kernel(const AttnBwdParams& p) {
               }
               mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
               probabilities_row(p, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, b, h, i, j0);
-              const Vec d(delta[g * L + i]);
+              const Vec d(delta_bh[i]);
               for (int64_t j = 0; j < np; j += VS)
                 (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
               if (dmask != nullptr) {
@@ -604,18 +781,15 @@ void backward_kernel(const AttnBwdParams& p) {
                 for (int64_t j = 0; j < n; ++j) dm[j * p.dmask_stride[3]] += ds[j];
               }
             }
-            const T* z = dropout ? zt.data() : pt.data();
-            // dV += Z^T dO ; dQ += scale dS K ; dK += dS^T (scale Q)
-            if (!from_probs) gemm<T>(n, Evp, m, T(1), z, 1, np, dot.data(), Evp, true, dv_acc.data(), Evp);
-            gemm<T>(m, Ep, n, scale, dst.data(), np, 1, kn.data(), Ep, true,
-                    dq_acc.data() + (g * L + i0) * Ep, Ep);
-            gemm<T>(n, Ep, m, T(1), dst.data(), 1, np, qt.data(), Ep, true, dk_acc.data(), Ep);
+            if (!from_probs) products.add_dv(dv_acc.data(), dropout ? zt.data() : pt.data());
+            products.add_dq(dq_acc + (g * L + i0) * Ep, dst.data());
+            products.add_dk(dk_acc.data(), dst.data());
           }
         }
 
         scalar_t* dk_bh = dk + b * p.dk_stride[0] + hk * p.dk_stride[1];
         for (int64_t j = 0; j < n; ++j)
-          store_row(dk_bh + (j0 + j) * p.dk_stride[2], p.dk_stride[3], dk_acc.data() + j * Ep, E, T(1));
+          store_row(dk_bh + (j0 + j) * p.dk_stride[2], p.dk_stride[3], dk_acc.data() + j * Ep, E, dk_mul);
         if (!from_probs) {
           scalar_t* dv_bh = dv + b * p.dv_stride[0] + hk * p.dv_stride[1];
           for (int64_t j = 0; j < n; ++j)
@@ -623,14 +797,36 @@ void backward_kernel(const AttnBwdParams& p) {
         }
       }
 
+      if (chunks > 1) continue;  // summed below
       for (int64_t g = 0; g < group; ++g) {
-        const int64_t h = hk * group + g;
-        scalar_t* dq_bh = dq + b * p.dq_stride[0] + h * p.dq_stride[1];
+        scalar_t* dq_bh = dq + b * p.dq_stride[0] + (hk * group + g) * p.dq_stride[1];
         for (int64_t i = 0; i < L; ++i)
-          store_row(dq_bh + i * p.dq_stride[2], p.dq_stride[3], dq_acc.data() + (g * L + i) * Ep, E, T(1));
+          store_row(dq_bh + i * p.dq_stride[2], p.dq_stride[3], dq_acc + (g * L + i) * Ep, E, dq_mul);
       }
     }
   });
+  if (chunks == 1) return;
+
+  // dQ = the sum of the chunks' partial sums, row by row.
+  at::parallel_for(0, B * Hq * L, 64, [&](int64_t begin, int64_t end) {
+    std::vector<T> row(Ep);
+    for (int64_t bhi = begin; bhi < end; ++bhi) {
+      const int64_t i = bhi % L, h = (bhi / L) % Hq, b = bhi / (L * Hq);
+      const int64_t hk = h / group, g = h % group;
+      const T* part = dq_partial.data() + (b * Hkv + hk) * chunks * dq_size + (g * L + i) * Ep;
+      std::fill(row.begin(), row.end(), T(0));
+      for (int64_t c = 0; c < chunks; ++c)
+        for (int64_t e = 0; e < Ep; e += VS)
+          (Vec::loadu(row.data() + e) + Vec::loadu(part + c * dq_size + e)).store(row.data() + e);
+      store_row(dq + b * p.dq_stride[0] + h * p.dq_stride[1] + i * p.dq_stride[2], p.dq_stride[3], row.data(), E,
+                dq_mul);
+    }
+  });
+}
+
+template <typename scalar_t>
+void backward_kernel(const AttnBwdParams& p) {
+  backward_driver<scalar_t, VecBackwardProducts<scalar_t>>(p);
 }
 
 template <typename Fn>
@@ -643,6 +839,7 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
   }
 }
 
+#if !defined(ATTN_EXT_OWN_ENTRY_POINTS)  // the amx unit defines its own
 void attention_forward(const AttnParams& params) {
   dispatch_dtype(params.dtype, [&](auto tag) { forward_kernel<decltype(tag)>(params); });
 }
@@ -650,5 +847,6 @@ void attention_forward(const AttnParams& params) {
 void attention_backward(const AttnBwdParams& params) {
   dispatch_dtype(params.dtype, [&](auto tag) { backward_kernel<decltype(tag)>(params); });
 }
+#endif
 
 }  // namespace attn_ext::cpu::CPU_CAPABILITY

@@ -1,49 +1,117 @@
-// attn_ext: run-time choice of the CPU kernels' instruction set.
-#include <cstring>
+// attn_ext: the table of CPU kernel variants and the run-time choice among them.
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <vector>
 
 #include <ATen/Version.h>  // at::get_cpu_capability
+#include <c10/util/Exception.h>
 
 #include "kernels.h"
+#if defined(__x86_64__) || defined(_M_X64)
+#include "amx_bf16.h"  // its availability checks only
+#endif
 
 namespace attn_ext::cpu {
 
 namespace {
-bool use_avx2() {
-#if defined(ATTN_EXT_HAVE_AVX2)
-  // PyTorch's own answer: the CPU's capability, lowered by ATEN_CPU_CAPABILITY.
-  static const bool avx2 = [] {
-    const std::string cap = at::get_cpu_capability();
-    return cap == "AVX2" || cap == "AVX512";
-  }();
-  return avx2;
-#else
-  return false;
-#endif
+
+std::vector<CpuKernels>& table() {
+  static std::vector<CpuKernels> kernels;  // sorted by rank, narrowest first
+  return kernels;
 }
+
+// What the user asked for, read on every call so that a test can switch variants.
+std::string requested_isa() {
+  const char* env = std::getenv("ATTN_EXT_CPU_ISA");
+  return env == nullptr ? std::string() : std::string(env);
+}
+
+// ATEN_CPU_CAPABILITY caps PyTorch's own kernels; the default choice follows it.
+int aten_cap_rank() {
+  const std::string cap = at::get_cpu_capability();
+  if (cap == "AVX512") return 1 << 30;  // avx512 and amx
+  if (cap == "AVX2") return 1;
+  return 0;
+}
+
+std::string names(bool supported_only) {
+  std::string out;
+  for (const CpuKernels& k : table())
+    if (!supported_only || cpu_supports(k.isa)) out += (out.empty() ? "" : " ") + std::string(k.isa);
+  return out;
+}
+
 }  // namespace
 
-const char* active_isa() { return use_avx2() ? "AVX2" : "DEFAULT"; }
-
-const char* compiled_isas() {
-#if defined(ATTN_EXT_HAVE_AVX2)
-  return "DEFAULT AVX2";
-#else
-  return "DEFAULT";
-#endif
+bool register_cpu_kernels(const CpuKernels& kernels) {
+  auto& t = table();
+  t.insert(std::upper_bound(t.begin(), t.end(), kernels,
+                            [](const CpuKernels& a, const CpuKernels& b) { return a.rank < b.rank; }),
+           kernels);
+  return true;
 }
 
-void attention_forward(const AttnParams& params) {
-#if defined(ATTN_EXT_HAVE_AVX2)
-  if (use_avx2()) return AVX2::attention_forward(params);
+bool cpu_supports(const std::string& isa) {
+  if (isa == "default") return true;
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (isa == "avx2") return avx2;
+  if (isa == "avx512") return avx512;
+  // AMX also needs the kernel's permission for the tile state (asked once, here).
+  if (isa == "amx") return avx512 && amx::cpu_has_amx_bf16() && amx::request_amx_permission();
 #endif
-  DEFAULT::attention_forward(params);
+  return false;
 }
 
-void attention_backward(const AttnBwdParams& params) {
-#if defined(ATTN_EXT_HAVE_AVX2)
-  if (use_avx2()) return AVX2::attention_backward(params);
-#endif
-  DEFAULT::attention_backward(params);
+const CpuKernels& active_kernels() {
+  static std::mutex mu;
+  static std::string cached_request = "\x01";  // never a real value
+  static const CpuKernels* cached = nullptr;
+  const std::string request = requested_isa();
+  std::lock_guard<std::mutex> lock(mu);
+  if (cached != nullptr && request == cached_request) return *cached;
+
+  const auto& t = table();
+  TORCH_CHECK(!t.empty(), "attn_ext: no CPU kernels were registered");
+  const CpuKernels* pick = nullptr;
+  if (!request.empty()) {
+    for (const CpuKernels& k : t)
+      if (request == k.isa) pick = &k;
+    TORCH_CHECK(pick != nullptr, "attn_ext: ATTN_EXT_CPU_ISA=", request,
+                " names no CPU kernel variant of this build; it has: ", names(false),
+                " (unset it to let attn_ext choose)");
+    TORCH_CHECK(cpu_supports(request), "attn_ext: ATTN_EXT_CPU_ISA=", request,
+                " but this CPU cannot run that variant; it runs: ", names(true));
+  } else {
+    const int cap = aten_cap_rank();
+    for (const CpuKernels& k : t)
+      if (k.rank <= cap && cpu_supports(k.isa)) pick = &k;
+    if (pick == nullptr) pick = &t.front();
+  }
+  cached_request = request;
+  cached = pick;
+  return *pick;
 }
+
+std::string kernel_info() {
+  std::ostringstream os;
+  os << "cpu_isas=" << names(false) << ";cpu_isas_supported=" << names(true) << ";cpu_isa_active=";
+  try {
+    os << active_kernels().isa;
+  } catch (const c10::Error&) {
+    os << "none (ATTN_EXT_CPU_ISA=" << requested_isa() << " is not usable)";
+  }
+  return os.str();
+}
+
+void attention_forward(const AttnParams& params) { active_kernels().forward(params); }
+
+void attention_backward(const AttnBwdParams& params) { active_kernels().backward(params); }
 
 }  // namespace attn_ext::cpu

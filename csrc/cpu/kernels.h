@@ -1,32 +1,63 @@
-// attn_ext: CPU kernel entry points.
+// attn_ext: CPU kernel entry points and the table of instruction-set variants.
 //
 // attention_kernel_impl.h is compiled once per instruction set
-// (attention_kernel_default.cpp, attention_kernel_avx2.cpp), each into its own
-// namespace; dispatch.cpp picks one at run time from the CPU's capability, as
-// PyTorch's DispatchStub does.
+// (attention_kernel_<isa>.cpp, flags in isa_flags.txt), each into its own
+// namespace. Each unit adds its kernels to one table when the library loads
+// (ATTN_EXT_REGISTER_CPU_KERNELS), as PyTorch's DispatchStub does;
+// dispatch.cpp picks a variant per call: ATTN_EXT_CPU_ISA when set, else the
+// widest one that this CPU runs and ATEN_CPU_CAPABILITY allows.
 #pragma once
+
+#include <string>
 
 #include "../attention.h"
 
 namespace attn_ext::cpu {
 
-#define ATTN_EXT_DECLARE_CPU_KERNELS(ISA)                    \
-  namespace ISA {                                            \
-  void attention_forward(const AttnParams& params);          \
-  void attention_backward(const AttnBwdParams& params);      \
+using ForwardFn = void (*)(const AttnParams& params);
+using BackwardFn = void (*)(const AttnBwdParams& params);
+
+struct CpuKernels {
+  const char* isa;  // "default", "avx2", "avx512" or "amx": the ATTN_EXT_CPU_ISA name
+  int rank;         // wider is higher; the default choice is the highest usable one
+  ForwardFn forward;
+  BackwardFn backward;
+};
+
+// Adds one variant to the table; called by each kernel unit at load time.
+bool register_cpu_kernels(const CpuKernels& kernels);
+
+// Defines ISA_NS::attention_forward/backward's registration in a kernel unit.
+#define ATTN_EXT_REGISTER_CPU_KERNELS(NAME, RANK, ISA_NS)                                      \
+  namespace attn_ext::cpu {                                                                   \
+  namespace {                                                                                 \
+  const bool registered_##ISA_NS =                                                            \
+      register_cpu_kernels({NAME, RANK, &ISA_NS::attention_forward, &ISA_NS::attention_backward}); \
+  }                                                                                           \
   }
 
+// The variants' kernels, for units that hand some cases to another variant
+// (amx runs everything but its bfloat16 products on avx512's kernels).
+#define ATTN_EXT_DECLARE_CPU_KERNELS(ISA_NS)             \
+  namespace ISA_NS {                                     \
+  void attention_forward(const AttnParams& params);      \
+  void attention_backward(const AttnBwdParams& params);  \
+  }
 ATTN_EXT_DECLARE_CPU_KERNELS(DEFAULT)
-#if defined(ATTN_EXT_HAVE_AVX2)
 ATTN_EXT_DECLARE_CPU_KERNELS(AVX2)
-#endif
+ATTN_EXT_DECLARE_CPU_KERNELS(AVX512)
+ATTN_EXT_DECLARE_CPU_KERNELS(AMX)
 #undef ATTN_EXT_DECLARE_CPU_KERNELS
 
-// The instruction set whose kernels run here: "AVX2" or "DEFAULT". Honours
-// ATEN_CPU_CAPABILITY=default like the rest of PyTorch.
-const char* active_isa();
-// The instruction sets this build compiled kernels for, e.g. "DEFAULT AVX2".
-const char* compiled_isas();
+// Whether this CPU (and its operating system) can run a variant's code.
+bool cpu_supports(const std::string& isa);
+
+// The variant the next call runs (throws a c10::Error naming ATTN_EXT_CPU_ISA
+// when that names a variant this build lacks or this CPU cannot run).
+const CpuKernels& active_kernels();
+
+// "cpu_isas=...;cpu_isas_supported=...;cpu_isa_active=...": for build_info.
+std::string kernel_info();
 
 void attention_forward(const AttnParams& params);
 void attention_backward(const AttnBwdParams& params);

@@ -1,0 +1,373 @@
+// attn_ext: hand-written AMX-BF16 primitives (header only, intrinsics only).
+//
+// The availability checks (request_amx_permission, cpu_has_amx_bf16) are plain
+// code that any unit may call (dispatch.cpp does). Everything after them is
+// compiled for AVX-512 + AVX512-BF16 + AMX through a target pragma, so the unit
+// that runs it (attention_kernel_amx.cpp) keeps avx512's flags for the rest of
+// its code; call it only after both checks passed.
+// No torch/ATen/c10 here: bf16 values are raw bits in uint16_t.
+//
+// Usage per thread (the tile configuration is per-thread state):
+//   configure_tiles();            // at the start of each parallel-region chunk
+//   ... pack / convert / gemm ...  // any number of calls
+//   release_tiles();              // at the end of the chunk
+// gemm() assumes the configuration of configure_tiles() is loaded; the packing and
+// conversion helpers are plain AVX-512 and need none.
+//
+// Layouts (all row-major, strides in elements):
+//   A  : M x K bf16, row stride lda.                       (the left operand)
+//   Bv : B (K x N) in VNNI layout: K/2 rows of 2*N bf16, element (kk, 2n + t) = B[2kk + t][n];
+//        i.e. the 32-bit word (kk, n) holds the pair B[2kk][n], B[2kk+1][n]. Row stride ldb >= 2*N.
+//   C  : M x N float32, row stride ldc.
+#pragma once
+
+#include <cassert>
+#include <cstdint>
+#include <cstring>
+
+#include <cpuid.h>
+#include <immintrin.h>
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace attn_ext {
+namespace cpu {
+namespace amx {
+
+// ---------------------------------------------------------------------------------------------
+// Availability.
+// ---------------------------------------------------------------------------------------------
+
+// Asks Linux (>= 5.16) for permission to use the AMX tile data state in this process, as oneDNN
+// does. Without it ldtilecfg still works, but the first instruction touching tile data (tilezero,
+// tileloadd, ...) raises SIGILL. The permission is process-wide (all threads, present and future),
+// so one successful call from any thread suffices. Thread-safe, idempotent.
+inline bool request_amx_permission() {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  static const bool granted = [] {
+    constexpr long kArchGetXcompPerm = 0x1022, kArchReqXcompPerm = 0x1023;
+    constexpr int kXfeatureXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) return false;
+    unsigned long long bitmask = 0;  // double-check what the kernel now allows us
+    if (syscall(SYS_arch_prctl, kArchGetXcompPerm, &bitmask) != 0) return false;
+    return (bitmask & (1ULL << kXfeatureXtiledata)) != 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+// True when the CPU has AMX-TILE, AMX-BF16, AVX512-BF16 and AVX-512 F/BW/VL/DQ (+ FMA, F16C, which
+// the including TU is compiled with) and the OS enabled the AVX-512 and AMX states in XCR0.
+// Does not ask for the AMX permission: see request_amx_permission().
+inline bool cpu_has_amx_bf16() {
+  static const bool has = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return false;
+    const bool osxsave = c & (1u << 27), fma = c & (1u << 12), f16c = c & (1u << 29);
+    if (!osxsave || !fma || !f16c) return false;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const unsigned max_subleaf = a;
+    const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
+    const bool amx = (d & (1u << 22)) && (d & (1u << 24));                                           // BF16, TILE
+    if (!avx512 || !amx || max_subleaf < 1) return false;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;  // AVX512-BF16
+    unsigned xcr0_lo, xcr0_hi;  // xgetbv by hand: _xgetbv() would need -mxsave
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM, XTILECFG, XTILEDATA.
+    const unsigned need = (1u << 1) | (1u << 2) | (1u << 5) | (1u << 6) | (1u << 7) | (1u << 17) | (1u << 18);
+    return (xcr0_lo & need) == need;
+  }();
+  return has;
+}
+
+}  // namespace amx
+}  // namespace cpu
+}  // namespace attn_ext
+
+// From here on: AVX-512, AVX512-BF16 and AMX code, whatever the unit's flags.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,f16c")
+#endif
+
+namespace attn_ext {
+namespace cpu {
+namespace amx {
+
+// ---------------------------------------------------------------------------------------------
+// Tile configuration.
+// ---------------------------------------------------------------------------------------------
+
+// The 64-byte ldtilecfg operand (palette 1).
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];  // bytes per row of each tile
+  uint8_t rows[16];    // rows of each tile
+};
+static_assert(sizeof(TileConfig) == 64, "ldtilecfg operand must be 64 bytes");
+
+// Loads the configuration used by gemm(): all 8 tiles 16 rows x 64 bytes
+// (C tiles: 16 x 16 fp32; A tiles: 16 x 32 bf16; B tiles: 16 VNNI rows x 16 pairs of bf16).
+// Per-thread state: call once per thread at the start of each parallel-region chunk.
+inline void configure_tiles() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    std::memset(&c, 0, sizeof(c));
+    c.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.colsb[t] = 64;
+      c.rows[t] = 16;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
+// Returns the tile state to init (tilerelease); call at the end of the chunk.
+inline void release_tiles() { _tile_release(); }
+
+inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// ---------------------------------------------------------------------------------------------
+// The product.
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+// One register block of C: (TWO_M ? 32 : 16) x (TWO_N ? 32 : 16) outputs at C, over all of K.
+// Tiles: 0..3 C (0 = top-left, 1 = top-right, 2 = bottom-left, 3 = bottom-right), 4-5 A, 6-7 B.
+// Tile numbers must be literals (the intrinsics paste them into the asm), hence the if constexpr.
+template <bool TWO_M, bool TWO_N>
+inline void gemm_block(int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb, float* C,
+                       int64_t ldc, bool accumulate) {
+  const long sa = lda * 2, sb = ldb * 2, sc = ldc * 4;  // byte strides
+  if (accumulate) {
+    _tile_loadd(0, C, sc);
+    if constexpr (TWO_N) _tile_loadd(1, C + 16, sc);
+    if constexpr (TWO_M) _tile_loadd(2, C + 16 * ldc, sc);
+    if constexpr (TWO_M && TWO_N) _tile_loadd(3, C + 16 * ldc + 16, sc);
+  } else {
+    _tile_zero(0);
+    if constexpr (TWO_N) _tile_zero(1);
+    if constexpr (TWO_M) _tile_zero(2);
+    if constexpr (TWO_M && TWO_N) _tile_zero(3);
+  }
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint16_t* a = A + k;              // rows 0..15, columns k..k+31
+    const uint16_t* b = Bv + (k / 2) * ldb;  // VNNI rows k/2..k/2+15, columns 2n..2n+31
+    _tile_loadd(4, a, sa);
+    _tile_loadd(6, b, sb);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (TWO_N) {
+      _tile_loadd(7, b + 32, sb);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (TWO_M) {
+      _tile_loadd(5, a + 16 * lda, sa);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (TWO_M && TWO_N) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, C, sc);
+  if constexpr (TWO_N) _tile_stored(1, C + 16, sc);
+  if constexpr (TWO_M) _tile_stored(2, C + 16 * ldc, sc);
+  if constexpr (TWO_M && TWO_N) _tile_stored(3, C + 16 * ldc + 16, sc);
+}
+
+}  // namespace detail
+
+// C (M x N fp32, row stride ldc) = [C +] A (M x K bf16, row stride lda) * B (K x N),
+// B given in VNNI layout Bv (K/2 rows of 2*N bf16, row stride ldb >= 2*N; see pack_vnni_*).
+// Preconditions: M % 16 == 0, N % 16 == 0, K % 32 == 0 (callers zero-pad A's columns and Bv's rows),
+// lda >= K, ldc >= N, configure_tiles() done on this thread. accumulate: add to C, else overwrite it.
+// A is read straight from its rows (any lda works: tileloadd takes any stride).
+// Speed: align A, Bv and C to 64 bytes and keep lda % 32 == 0, ldc % 16 == 0, so that every tile row
+// is one cache line: measured ~1.3-2x faster than rows straddling lines. (With that, pre-packing A
+// into contiguous tiles measured no faster, so A is not packed.)
+inline void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb,
+                 float* C, int64_t ldc, bool accumulate) {
+  assert(M % 16 == 0 && N % 16 == 0 && K % 32 == 0);
+  assert(lda >= K && ldb >= 2 * N && ldc >= N);
+  int64_t i = 0;
+  for (; i + 32 <= M; i += 32) {
+    const uint16_t* a = A + i * lda;
+    float* c = C + i * ldc;
+    int64_t j = 0;
+    for (; j + 32 <= N; j += 32) detail::gemm_block<true, true>(K, a, lda, Bv + 2 * j, ldb, c + j, ldc, accumulate);
+    if (j < N) detail::gemm_block<true, false>(K, a, lda, Bv + 2 * j, ldb, c + j, ldc, accumulate);
+  }
+  if (i < M) {  // 16 rows left
+    const uint16_t* a = A + i * lda;
+    float* c = C + i * ldc;
+    int64_t j = 0;
+    for (; j + 32 <= N; j += 32) detail::gemm_block<false, true>(K, a, lda, Bv + 2 * j, ldb, c + j, ldc, accumulate);
+    if (j < N) detail::gemm_block<false, false>(K, a, lda, Bv + 2 * j, ldb, c + j, ldc, accumulate);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packing and conversion helpers (AVX-512 only; no tile state needed).
+// ---------------------------------------------------------------------------------------------
+
+namespace detail {
+
+inline __mmask32 mask32(int64_t n) {  // the first clamp(n, 0, 32) lanes
+  return n <= 0 ? 0 : n >= 32 ? 0xffffffffu : static_cast<__mmask32>((1u << n) - 1);
+}
+inline __mmask16 mask16(int64_t n) {  // the first clamp(n, 0, 16) lanes
+  return n <= 0 ? 0 : n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// In-register transpose of a 16 x 16 matrix of 32-bit words: r[i] word j  ->  r[j] word i.
+// (The all-ones masked forms avoid GCC 12's bogus -Wuninitialized on _mm512_undefined_epi32.)
+inline void transpose16x16_epi32(__m512i r[16]) {
+  const __mmask16 all16 = 0xffff;
+  const __mmask8 all8 = 0xff;
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_mask_unpacklo_epi32(r[i], all16, r[i], r[i + 1]);
+    t[i + 1] = _mm512_mask_unpackhi_epi32(r[i], all16, r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_mask_unpacklo_epi64(t[i], all8, t[i], t[i + 2]);
+    r[i + 1] = _mm512_mask_unpackhi_epi64(t[i], all8, t[i], t[i + 2]);
+    r[i + 2] = _mm512_mask_unpacklo_epi64(t[i + 1], all8, t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_mask_unpackhi_epi64(t[i + 1], all8, t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8) {
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_mask_shuffle_i32x4(r[h + i], all16, r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_mask_shuffle_i32x4(r[h + i], all16, r[h + i], r[h + i + 4], 0xdd);
+    }
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_mask_shuffle_i32x4(t[i], all16, t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_mask_shuffle_i32x4(t[i], all16, t[i], t[i + 8], 0xdd);
+  }
+}
+
+inline __m256i cvt_bf16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+inline __m512i cvt2_bf16(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }  // lo -> words 0..15
+
+}  // namespace detail
+
+// VNNI-pack B from its rows. src: B as K rows x N columns bf16, row stride rs.
+// dst: Kp/2 rows x 2*Np bf16 (row stride 2*Np), element (kk, 2n + t) = B[2kk + t][n], zero where
+// 2kk + t >= K or n >= N. Needs Kp % 2 == 0 (gemm wants Kp % 32 == 0), Np % 16 == 0, Kp >= K, Np >= N.
+inline void pack_vnni_from_rows(uint16_t* dst, const uint16_t* src, int64_t rs, int64_t K, int64_t N, int64_t Kp,
+                                int64_t Np) {
+  assert(Kp % 2 == 0 && Np % 16 == 0 && Kp >= K && Np >= N);
+  // idx_lo interleaves words 0..15 of a and b, idx_hi words 16..31 (b's words are 32..63).
+  alignas(64) static const uint16_t kIdx[64] = {
+      0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+      11, 43, 12, 44, 13, 45, 14, 46, 15, 47, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+      22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i idx_lo = _mm512_load_si512(kIdx), idx_hi = _mm512_load_si512(kIdx + 32);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t kk = 0; kk < Kp / 2; ++kk) {
+    const uint16_t* r0 = 2 * kk < K ? src + 2 * kk * rs : nullptr;
+    const uint16_t* r1 = 2 * kk + 1 < K ? src + (2 * kk + 1) * rs : nullptr;
+    uint16_t* d = dst + kk * 2 * Np;
+    for (int64_t n = 0; n < Np; n += 32) {
+      const __mmask32 m = detail::mask32(N - n);
+      const __m512i a = r0 ? _mm512_maskz_loadu_epi16(m, r0 + n) : zero;
+      const __m512i b = r1 ? _mm512_maskz_loadu_epi16(m, r1 + n) : zero;
+      _mm512_storeu_si512(d + 2 * n, _mm512_permutex2var_epi16(a, idx_lo, b));
+      if (n + 16 < Np) _mm512_storeu_si512(d + 2 * n + 32, _mm512_permutex2var_epi16(a, idx_hi, b));
+    }
+  }
+}
+
+// VNNI-pack B = X^T. src: X as N rows x K columns bf16, row stride rs (B[k][n] = X[n][k]).
+// dst as in pack_vnni_from_rows: element (kk, 2n + t) = X[n][2kk + t], i.e. the 32-bit word (kk, n)
+// is the word (n, kk) of X: a transpose of 32-bit words. Zero where 2kk + t >= K or n >= N.
+// Needs Kp % 2 == 0, Np % 16 == 0, Kp >= K, Np >= N.
+inline void pack_vnni_from_transposed(uint16_t* dst, const uint16_t* src, int64_t rs, int64_t N, int64_t K,
+                                      int64_t Kp, int64_t Np) {
+  assert(Kp % 2 == 0 && Np % 16 == 0 && Kp >= K && Np >= N);
+  const int64_t KK = Kp / 2;
+  for (int64_t n0 = 0; n0 < Np; n0 += 16) {
+    for (int64_t kk0 = 0; kk0 < KK; kk0 += 16) {  // 16 x 16 words: X rows n0.., columns 2kk0..2kk0+31
+      const __mmask32 m = detail::mask32(K - 2 * kk0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = n0 + i < N ? _mm512_maskz_loadu_epi16(m, src + (n0 + i) * rs + 2 * kk0) : _mm512_setzero_si512();
+      detail::transpose16x16_epi32(r);
+      const int64_t rows = KK - kk0 < 16 ? KK - kk0 : 16;
+      for (int64_t j = 0; j < rows; ++j) _mm512_storeu_si512(dst + (kk0 + j) * 2 * Np + 2 * n0, r[j]);
+    }
+  }
+}
+
+// dst[m][k] = bf16(src[m][k]) for m < M, k < K; dst[m][k] = 0 for K <= k < Kp. Rows >= M are not written.
+// src: M x K fp32, row stride lds; dst: row stride ldd >= Kp.
+// Rounding: round-to-nearest-even (vcvtne2ps2bf16), NaN stays NaN; denormal inputs/outputs are flushed to 0.
+inline void convert_rows_to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K,
+                                 int64_t Kp) {
+  assert(Kp >= K && ldd >= Kp);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* s = src + m * lds;
+    uint16_t* d = dst + m * ldd;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32)
+      _mm512_storeu_si512(d + k, detail::cvt2_bf16(_mm512_loadu_ps(s + k), _mm512_loadu_ps(s + k + 16)));
+    for (; k < Kp; k += 32) {
+      const __m512 lo = _mm512_maskz_loadu_ps(detail::mask16(K - k), s + k);
+      const __m512 hi = _mm512_maskz_loadu_ps(detail::mask16(K - k - 16), s + k + 16);
+      _mm512_mask_storeu_epi16(d + k, detail::mask32(Kp - k), detail::cvt2_bf16(lo, hi));
+    }
+  }
+}
+
+// Transposing conversion: dst[k][m] = bf16(src[m][k]) for k < K, m < M; dst[k][m] = 0 for M <= m < Mp.
+// Rows k >= K of dst are not written. src: M x K fp32, row stride lds; dst: K rows, row stride ldd >= Mp.
+// (For P^T and dS^T as the A operand of gemm: pad Mp to a multiple of 32.) Rounding as convert_rows_to_bf16.
+inline void convert_transposed_to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M,
+                                       int64_t K, int64_t Mp) {
+  assert(Mp >= M && ldd >= Mp);
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+    const __mmask16 store_mask = detail::mask16(Mp - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
+      const __mmask16 m = detail::mask16(K - k0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
+                          : _mm512_setzero_si512();
+      detail::transpose16x16_epi32(r);
+      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
+      for (int64_t j = 0; j < rows; ++j)
+        _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + m0, store_mask,
+                                 detail::cvt_bf16(_mm512_castsi512_ps(r[j])));
+    }
+  }
+}
+
+// bf16 copy with column padding: dst[m][k] = src[m][k] for k < K, 0 for K <= k < Kp; rows >= M not written.
+// (For an A operand already in bf16 whose width is not a multiple of 32.)
+inline void copy_rows_bf16(uint16_t* dst, int64_t ldd, const uint16_t* src, int64_t lds, int64_t M, int64_t K,
+                           int64_t Kp) {
+  assert(Kp >= K && ldd >= Kp);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < Kp; k += 32)
+      _mm512_mask_storeu_epi16(dst + m * ldd + k, detail::mask32(Kp - k),
+                               _mm512_maskz_loadu_epi16(detail::mask32(K - k), src + m * lds + k));
+}
+
+}  // namespace amx
+}  // namespace cpu
+}  // namespace attn_ext
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,241 @@
+// attn_ext: the CPU kernels for AMX-BF16 CPUs (Sapphire Rapids and later):
+// bfloat16 attention whose matrix products run on AMX tiles (bfloat16 inputs,
+// float32 accumulation), inside the same driver as every other variant; every
+// other dtype, and shapes the tiles do not suit, run avx512's kernels.
+// Compiled with avx512's flags (isa_flags.txt); amx_bf16.h enables the AMX
+// instructions for its own functions only.
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#define ATTN_EXT_KERNEL_NS AMX
+#define ATTN_EXT_OWN_ENTRY_POINTS
+#include "attention_kernel_impl.h"
+#include "amx_bf16.h"
+
+namespace attn_ext::cpu::AMX {
+namespace {
+
+using Bf16 = c10::BFloat16;
+
+const uint16_t* bits(const Bf16* x) { return reinterpret_cast<const uint16_t*>(x); }
+
+void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
+  if (to > from) std::fill(a + from * ld, a + to * ld, uint16_t(0));
+}
+
+// The forward's products on AMX tiles (VecForwardProducts' interface). Q is
+// kept as bfloat16 rows (the A operand) and the scale applied to the float32
+// scores; K^T and V of a (batch, kv head) are packed once into VNNI panels, one
+// per key block, and kept while they fit. P is rounded to bfloat16 for P V.
+class AmxForwardProducts {
+ public:
+  using T = float;
+  static constexpr int64_t kCols = 16;      // a C tile is 16 floats wide
+  static constexpr int64_t kKeyAlign = 32;  // P V takes keys 32 at a time (one A tile's depth)
+
+  AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
+      : p_(p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
+        k_panel_(Ep_ / 2 * 2 * kv_block), v_panel_(kv_block / 2 * 2 * Evp_),
+        q_(static_cast<const Bf16*>(p.q)), k_(static_cast<const Bf16*>(p.k)), v_(static_cast<const Bf16*>(p.v)) {
+    const int64_t blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
+    cache_ = (k_panel_ + v_panel_) * blocks * 2 <= kKeyCacheBytes;
+    const int64_t slots = cache_ ? blocks : 1;
+    qa_.resize(q_block * Ep_);
+    pa_.resize(q_block * kv_block);
+    kv_.resize(k_panel_ * slots);
+    if (p.v != nullptr) vv_.resize(v_panel_ * slots);
+    amx::configure_tiles();
+  }
+  ~AmxForwardProducts() { amx::release_tiles(); }
+
+  int64_t out_ld() const { return Evp_; }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    const Bf16* q_rows = q_ + b * p_.q_stride[0] + h * p_.q_stride[1] + i0 * p_.q_stride[2];
+    m_ = m;
+    mp_ = round_up(m, 16);
+    amx::copy_rows_bf16(qa_.data(), Ep_, bits(q_rows), p_.q_stride[2], m, E_, Ep_);
+    zero_rows(qa_.data(), Ep_, m, mp_);
+  }
+
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    const int64_t blk = j0 / kv_block_;
+    bind(b, hk);
+    uint16_t* kv = kv_.data() + (cache_ ? blk : 0) * k_panel_;
+    if (!cache_ || !k_packed_[blk]) {
+      const Bf16* k_tile = k_ + b * p_.k_stride[0] + hk * p_.k_stride[1] + j0 * p_.k_stride[2];
+      // The whole block, whatever part of it this query block sees (the panel is reused).
+      const int64_t keys = std::min(kv_block_, p_.S - j0);
+      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_.k_stride[2], keys, E_, Ep_, kv_block_);
+      if (cache_) k_packed_[blk] = true;
+    }
+    amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
+    const float scale = static_cast<float>(p_.scale);
+    for (int64_t r = 0; r < m_; ++r) scale_row(st + r * ld, ld, scale);
+  }
+
+  void add_pv(float* ot, const float* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    const int64_t blk = j0 / kv_block_;
+    const int64_t n32 = round_up(n, 32);
+    bind(b, hk);
+    uint16_t* vv = vv_.data() + (cache_ ? blk : 0) * v_panel_;
+    if (!cache_ || !v_packed_[blk]) {
+      const Bf16* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
+      const int64_t keys = std::min(kv_block_, p_.S - j0);
+      amx::pack_vnni_from_rows(vv, bits(v_tile), p_.v_stride[2], keys, p_.Ev, kv_block_, Evp_);
+      if (cache_) v_packed_[blk] = true;
+    }
+    amx::convert_rows_to_bf16(pa_.data(), n32, pt, ld, m_, n, n32);
+    zero_rows(pa_.data(), n32, m_, mp_);
+    amx::gemm(mp_, Evp_, n32, pa_.data(), n32, vv, 2 * Evp_, ot, Evp_, true);
+  }
+
+ private:
+  // Forget the packed panels when the (batch, kv head) changes.
+  void bind(int64_t b, int64_t hk) {
+    const int64_t head = b * p_.Hkv + hk;
+    if (!cache_ || head == head_) return;
+    head_ = head;
+    const int64_t blocks = ceil_div(std::max<int64_t>(p_.S, 1), kv_block_);
+    k_packed_.assign(blocks, false);
+    v_packed_.assign(blocks, false);
+  }
+
+  const AttnParams& p_;
+  const int64_t E_, Ep_, Evp_, kv_block_, k_panel_, v_panel_;
+  const Bf16* q_;
+  const Bf16* k_;
+  const Bf16* v_;
+  bool cache_ = false;
+  int64_t m_ = 0, mp_ = 0, head_ = -1;
+  std::vector<bool> k_packed_, v_packed_;
+  Buffer<uint16_t> qa_, pa_, kv_, vv_;
+};
+
+// The backward's products on AMX tiles (VecBackwardProducts' interface). Q
+// and dO are kept unscaled as bfloat16 A rows and as VNNI panels (for dK and
+// dV, whose sums run over the query rows); K^T, V^T and K of a key block as
+// VNNI panels. Z^T, dS and dS^T are rounded to bfloat16 for their products.
+// S is scaled in float32; dQ and dK are stored times the scale.
+class AmxBackwardProducts {
+ public:
+  using T = float;
+  static constexpr int64_t kCols = 16;
+  static constexpr int64_t kKeyAlign = 32;
+  static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
+  static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
+
+  AmxBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
+      : p_(p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
+        Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
+        from_probs_(p.dprobs != nullptr) {
+    const int64_t qb32 = round_up(q_block, 32);
+    k_t_.resize(Ep32_ * kv_block);
+    v_t_.resize(Evp32_ * kv_block);
+    k_r_.resize(kv_block * Ep16_);
+    q_a_.resize(q_block * Ep32_);
+    do_a_.resize(q_block * Evp32_);
+    q_r_.resize(qb32 * Ep16_);
+    do_r_.resize(qb32 * Evp16_);
+    t_a_.resize(kv_block * qb32);
+    d_a_.resize(q_block * kv_block);
+    amx::configure_tiles();
+  }
+  ~AmxBackwardProducts() { amx::release_tiles(); }
+
+  void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    n_ = n;
+    n16_ = round_up(n, 16);
+    n32_ = round_up(n, 32);
+    const Bf16* k_tile = static_cast<const Bf16*>(p_.k) + b * p_.k_stride[0] + hk * p_.k_stride[1] +
+                         j0 * p_.k_stride[2];
+    amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_.k_stride[2], n, E_, Ep32_, kv_block_);
+    amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_.k_stride[2], n, E_, kv_block_, Ep16_);
+    if (from_probs_) return;
+    const Bf16* v_tile = static_cast<const Bf16*>(p_.v) + b * p_.v_stride[0] + hk * p_.v_stride[1] +
+                         j0 * p_.v_stride[2];
+    amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_.v_stride[2], n, Ev_, Evp32_, kv_block_);
+  }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    m_ = m;
+    m16_ = round_up(m, 16);
+    m32_ = round_up(m, 32);
+    const Bf16* q_rows = static_cast<const Bf16*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] +
+                         i0 * p_.q_stride[2];
+    amx::copy_rows_bf16(q_a_.data(), Ep32_, bits(q_rows), p_.q_stride[2], m, E_, Ep32_);
+    zero_rows(q_a_.data(), Ep32_, m, m16_);
+    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_.q_stride[2], m, E_, m32_, Ep16_);
+    if (from_probs_) return;
+    const Bf16* do_rows = static_cast<const Bf16*>(p_.dout) + b * p_.do_stride[0] + h * p_.do_stride[1] +
+                          i0 * p_.do_stride[2];
+    amx::copy_rows_bf16(do_a_.data(), Evp32_, bits(do_rows), p_.do_stride[2], m, Ev_, Evp32_);
+    zero_rows(do_a_.data(), Evp32_, m, m16_);
+    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_.do_stride[2], m, Ev_, m32_, Evp16_);
+  }
+
+  void scores(float* st) {
+    amx::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, n16_, false);
+    const float scale = static_cast<float>(p_.scale);
+    for (int64_t r = 0; r < m_; ++r) scale_row(st + r * n16_, n16_, scale);
+  }
+
+  void grad_probs(float* dst) {
+    amx::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, n16_, false);
+  }
+
+  void add_dv(float* dv, const float* z) {
+    transposed_a(z);
+    amx::gemm(n16_, Evp16_, m32_, t_a_.data(), m32_, do_r_.data(), 2 * Evp16_, dv, Evp16_, true);
+  }
+
+  void add_dq(float* dq, const float* ds) {
+    amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, n16_, m_, n_, n32_);
+    zero_rows(d_a_.data(), n32_, m_, m16_);
+    amx::gemm(m16_, Ep16_, n32_, d_a_.data(), n32_, k_r_.data(), 2 * Ep16_, dq, Ep16_, true);
+  }
+
+  void add_dk(float* dk, const float* ds) {
+    transposed_a(ds);
+    amx::gemm(n16_, Ep16_, m32_, t_a_.data(), m32_, q_r_.data(), 2 * Ep16_, dk, Ep16_, true);
+  }
+
+ private:
+  // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16): the A operand of dV and dK.
+  void transposed_a(const float* x) {
+    amx::convert_transposed_to_bf16(t_a_.data(), m32_, x, n16_, m_, n_, m32_);
+    zero_rows(t_a_.data(), m32_, n_, n16_);
+  }
+
+  const AttnBwdParams& p_;
+  const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
+  const bool from_probs_;
+  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0;
+  Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
+};
+
+// The tiles pay off from a full tile of query rows; the packing reads rows with
+// contiguous columns.
+bool amx_suits(const AttnParams& p) {
+  return p.dtype == DType::BFloat16 && p.L >= 16 && p.E > 0 && p.q_stride[3] == 1 && p.k_stride[3] == 1 &&
+         (p.v == nullptr || p.v_stride[3] == 1);
+}
+
+bool amx_suits(const AttnBwdParams& p) {
+  return amx_suits(static_cast<const AttnParams&>(p)) && p.S > 0 && (p.dout == nullptr || p.do_stride[3] == 1);
+}
+
+}  // namespace
+
+void attention_forward(const AttnParams& params) {
+  if (amx_suits(params)) return forward_driver<Bf16, AmxForwardProducts>(params);
+  AVX512::attention_forward(params);
+}
+
+void attention_backward(const AttnBwdParams& params) {
+  if (amx_suits(params)) return backward_driver<Bf16, AmxBackwardProducts>(params);
+  AVX512::attention_backward(params);
+}
+
+}  // namespace attn_ext::cpu::AMX
+
+ATTN_EXT_REGISTER_CPU_KERNELS("amx", 3, AMX)

@@ -1,0 +1,369 @@
+// attn_ext: standalone test and micro-benchmark of csrc/cpu/amx_bf16.h (no torch needed).
+// Build:  g++ -O2 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
+//             tests/cpp/test_amx_bf16.cpp -o /tmp/test_amx_bf16     (CMake builds it too; ctest runs it)
+// Run:    /tmp/test_amx_bf16 [--bench]   (prints "skipped: ..." and exits 0 without AMX)
+#include "../../csrc/cpu/amx_bf16.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace amx = attn_ext::cpu::amx;
+
+int passed = 0, failed = 0;
+
+void check(bool ok, const std::string& what) {
+  if (ok) {
+    ++passed;
+  } else {
+    ++failed;
+    std::printf("FAILED: %s\n", what.c_str());
+  }
+}
+
+uint32_t bits_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return u;
+}
+float float_of(uint32_t u) {
+  float x;
+  std::memcpy(&x, &u, 4);
+  return x;
+}
+float bf16_to_float(uint16_t b) { return float_of(static_cast<uint32_t>(b) << 16); }
+// Scalar reference: round-to-nearest-even; NaN -> quiet NaN; denormals flushed to (signed) zero as
+// vcvtneps2bf16 does.
+uint16_t ref_bf16(float x) {
+  uint32_t u = bits_of(x);
+  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if ((u & 0x7f800000u) == 0) return static_cast<uint16_t>((u >> 16) & 0x8000);  // zero / denormal
+  u += 0x7fffu + ((u >> 16) & 1);
+  return static_cast<uint16_t>(u >> 16);
+}
+bool same_bf16(uint16_t got, uint16_t want) {
+  if (std::isnan(bf16_to_float(want))) return std::isnan(bf16_to_float(got));
+  return got == want;
+}
+
+std::mt19937 rng(12345);
+float uniform(float lo = -1.f, float hi = 1.f) { return std::uniform_real_distribution<float>(lo, hi)(rng); }
+int64_t rand_int(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); }
+std::vector<uint16_t> random_bf16(size_t n) {
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = ref_bf16(uniform());
+  return v;
+}
+
+constexpr uint16_t kSentinel = 0xdead;  // must survive where the helpers do not write
+
+// Naive VNNI layout of B (K x N, row stride rs) into Kp/2 x 2*Np.
+std::vector<uint16_t> ref_vnni(const uint16_t* B, int64_t rs, int64_t K, int64_t N, int64_t Kp, int64_t Np) {
+  std::vector<uint16_t> v(Kp * Np, 0);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) v[(k / 2) * 2 * Np + 2 * n + (k % 2)] = B[k * rs + n];
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------------
+void test_gemm(int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_extra, int64_t ldc_extra) {
+  const int64_t lda = K + lda_extra, ldc = N + ldc_extra;
+  std::vector<uint16_t> A = random_bf16(M * lda), B = random_bf16(K * N);
+  std::vector<uint16_t> Bv = ref_vnni(B.data(), N, K, N, K, N);
+  std::vector<float> C(M * ldc);
+  for (auto& c : C) c = uniform(-4.f, 4.f);
+  const std::vector<float> C0 = C;
+  amx::gemm(M, N, K, A.data(), lda, Bv.data(), 2 * N, C.data(), ldc, accumulate);
+  double worst = 0;
+  bool untouched = true;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) {
+      double ref = accumulate ? C0[m * ldc + n] : 0.0, mag = std::fabs(ref);
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = double(bf16_to_float(A[m * lda + k])) * bf16_to_float(B[k * N + n]);
+        ref += p;
+        mag += std::fabs(p);
+      }
+      worst = std::max(worst, std::fabs(C[m * ldc + n] - ref) / (mag + 1e-30));
+    }
+    for (int64_t n = N; n < ldc; ++n) untouched &= bits_of(C[m * ldc + n]) == bits_of(C0[m * ldc + n]);
+  }
+  char what[160];
+  std::snprintf(what, sizeof what, "gemm M=%lld N=%lld K=%lld lda=%lld ldc=%lld acc=%d (rel err %.2e)",
+                (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldc, int(accumulate), worst);
+  check(worst < 2e-6, what);  // fp32 accumulation of exact bf16 products
+  check(untouched, std::string(what) + ": wrote past N");
+}
+
+void test_pack_vnni_from_rows(int64_t K, int64_t N, int64_t Kp, int64_t Np, int64_t rs) {
+  const std::vector<uint16_t> src = random_bf16(K * rs + 64);
+  std::vector<uint16_t> dst(Kp * Np + 64, kSentinel);
+  amx::pack_vnni_from_rows(dst.data(), src.data(), rs, K, N, Kp, Np);
+  const std::vector<uint16_t> ref = ref_vnni(src.data(), rs, K, N, Kp, Np);
+  bool ok = std::memcmp(dst.data(), ref.data(), ref.size() * 2) == 0;
+  for (size_t i = ref.size(); i < dst.size(); ++i) ok &= dst[i] == kSentinel;
+  check(ok, "pack_vnni_from_rows K=" + std::to_string(K) + " N=" + std::to_string(N) + " Kp=" + std::to_string(Kp) +
+                " Np=" + std::to_string(Np) + " rs=" + std::to_string(rs));
+}
+
+void test_pack_vnni_from_transposed(int64_t N, int64_t K, int64_t Kp, int64_t Np, int64_t rs) {
+  const std::vector<uint16_t> X = random_bf16(N * rs + 64);
+  std::vector<uint16_t> B(K * N);  // B = X^T
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) B[k * N + n] = X[n * rs + k];
+  std::vector<uint16_t> dst(Kp * Np + 64, kSentinel);
+  amx::pack_vnni_from_transposed(dst.data(), X.data(), rs, N, K, Kp, Np);
+  const std::vector<uint16_t> ref = ref_vnni(B.data(), N, K, N, Kp, Np);
+  bool ok = std::memcmp(dst.data(), ref.data(), ref.size() * 2) == 0;
+  for (size_t i = ref.size(); i < dst.size(); ++i) ok &= dst[i] == kSentinel;
+  check(ok, "pack_vnni_from_transposed N=" + std::to_string(N) + " K=" + std::to_string(K) + " Kp=" +
+                std::to_string(Kp) + " Np=" + std::to_string(Np) + " rs=" + std::to_string(rs));
+}
+
+// Floats that exercise the rounding: random magnitudes, exact ties (even and odd), near-ties,
+// overflow to inf, specials, denormals.
+std::vector<float> rounding_inputs(size_t n) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i) {
+    const uint32_t hi = static_cast<uint32_t>(rand_int(0, 0xffff)) << 16;
+    switch (i % 8) {
+      case 0: v[i] = uniform(-1e3f, 1e3f); break;
+      case 1: v[i] = float_of(hi | 0x8000u); break;  // exact tie
+      case 2: v[i] = float_of(hi | 0x7fffu); break;  // just below a tie
+      case 3: v[i] = float_of(hi | 0x8001u); break;  // just above a tie
+      case 4: v[i] = float_of(hi | static_cast<uint32_t>(rand_int(0, 0xffff))); break;  // any bits
+      default: v[i] = uniform() * std::ldexp(1.f, int(rand_int(-60, 60))); break;
+    }
+    if (std::isnan(v[i]) && (i % 3)) v[i] = 1.5f;  // keep a few NaNs only
+  }
+  const float specials[] = {0.f,
+                            -0.f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::max(),  // rounds to inf
+                            float_of(0x3f808000u),              // 1 + 2^-8: tie, rounds down to even 1.0
+                            float_of(0x3f818000u),              // tie, rounds up to even
+                            std::numeric_limits<float>::denorm_min(),
+                            -float_of(0x007fffffu)};
+  for (size_t i = 0; i < sizeof specials / sizeof specials[0] && i < n; ++i) v[i * 7 % n] = specials[i];
+  return v;
+}
+
+void test_convert_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) {
+  const std::vector<float> src = rounding_inputs(M * lds + 16);
+  std::vector<uint16_t> dst(M * ldd + 64, kSentinel);
+  amx::convert_rows_to_bf16(dst.data(), ldd, src.data(), lds, M, K, Kp);
+  bool ok = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ldd; ++k) {
+      const uint16_t got = dst[m * ldd + k];
+      ok &= k < K ? same_bf16(got, ref_bf16(src[m * lds + k])) : k < Kp ? got == 0 : got == kSentinel;
+    }
+  for (size_t i = M * ldd; i < dst.size(); ++i) ok &= dst[i] == kSentinel;
+  check(ok, "convert_rows_to_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
+}
+
+void test_convert_transposed(int64_t M, int64_t K, int64_t Mp, int64_t lds, int64_t ldd) {
+  const std::vector<float> src = rounding_inputs(M * lds + 16);
+  std::vector<uint16_t> dst(K * ldd + 64, kSentinel);
+  amx::convert_transposed_to_bf16(dst.data(), ldd, src.data(), lds, M, K, Mp);
+  bool ok = true;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t m = 0; m < ldd; ++m) {
+      const uint16_t got = dst[k * ldd + m];
+      ok &= m < M ? same_bf16(got, ref_bf16(src[m * lds + k])) : m < Mp ? got == 0 : got == kSentinel;
+    }
+  for (size_t i = K * ldd; i < dst.size(); ++i) ok &= dst[i] == kSentinel;
+  check(ok, "convert_transposed_to_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) +
+                " Mp=" + std::to_string(Mp));
+}
+
+void test_copy_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) {
+  const std::vector<uint16_t> src = random_bf16(M * lds + 16);
+  std::vector<uint16_t> dst(M * ldd + 64, kSentinel);
+  amx::copy_rows_bf16(dst.data(), ldd, src.data(), lds, M, K, Kp);
+  bool ok = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ldd; ++k) {
+      const uint16_t got = dst[m * ldd + k];
+      ok &= k < K ? got == src[m * lds + k] : k < Kp ? got == 0 : got == kSentinel;
+    }
+  check(ok, "copy_rows_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
+}
+
+// The attention pattern end to end: S = Q K^T with fp32 Q converted + padded and K^T VNNI-packed from
+// K's rows, then O = P^T-style product using the transposing conversion. Ragged sizes everywhere.
+void test_pipeline(int64_t L, int64_t S, int64_t E) {
+  const int64_t Lp = amx::round_up(L, 32), Sp = amx::round_up(S, 32), Ep = amx::round_up(E, 32);
+  std::vector<float> Q(L * E);
+  for (auto& x : Q) x = uniform();
+  const std::vector<uint16_t> Kt = random_bf16(S * E);  // K: S x E bf16
+  // S = Q K^T: A = bf16(Q) (Lp x Ep), B = K^T (E x S) packed from K's rows.
+  std::vector<uint16_t> Qb(Lp * Ep, 0), Kv(Ep * Sp);
+  amx::convert_rows_to_bf16(Qb.data(), Ep, Q.data(), E, L, E, Ep);
+  amx::pack_vnni_from_transposed(Kv.data(), Kt.data(), E, S, E, Ep, Sp);
+  std::vector<float> Sc(Lp * Sp);
+  amx::gemm(Lp, Sp, Ep, Qb.data(), Ep, Kv.data(), 2 * Sp, Sc.data(), Sp, false);
+  // T = S^T Q' where Q' = bf16(Q) (L x E): A = bf16(S^T) (Sp x Lp), B = Q' packed from rows (L x E).
+  std::vector<uint16_t> St(Sp * Lp, 0), Qv(Lp * Ep);
+  amx::convert_transposed_to_bf16(St.data(), Lp, Sc.data(), Sp, L, S, Lp);
+  amx::pack_vnni_from_rows(Qv.data(), Qb.data(), Ep, L, E, Lp, Ep);
+  std::vector<float> T(Sp * Ep);
+  amx::gemm(Sp, Ep, Lp, St.data(), Lp, Qv.data(), 2 * Ep, T.data(), Ep, false);
+  double err = 0, norm = 0;
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t e = 0; e < E; ++e) {
+      double ref = 0;
+      for (int64_t l = 0; l < L; ++l) {
+        double sc = 0;
+        for (int64_t k = 0; k < E; ++k) sc += double(bf16_to_float(ref_bf16(Q[l * E + k]))) * bf16_to_float(Kt[s * E + k]);
+        ref += double(bf16_to_float(ref_bf16(float(sc)))) * bf16_to_float(ref_bf16(Q[l * E + e]));
+      }
+      err += (T[s * Ep + e] - ref) * (T[s * Ep + e] - ref);
+      norm += ref * ref;
+    }
+  const double rel = std::sqrt(err / norm);
+  check(rel < 1e-2, "pipeline L=" + std::to_string(L) + " S=" + std::to_string(S) + " E=" + std::to_string(E) +
+                        " rel err " + std::to_string(rel));  // bf16 rounding of S dominates
+}
+
+// ------------------------------------------------------------------------------------------------
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double tsc_ghz() {
+  const auto t0 = std::chrono::steady_clock::now();
+  const uint64_t c0 = __rdtsc();
+  while (seconds_since(t0) < 0.05) {
+  }
+  return (__rdtsc() - c0) / seconds_since(t0) / 1e9;
+}
+
+// 64-byte aligned buffer (+ offset bytes, to show the cost of misaligned rows).
+template <class T>
+struct Buffer {
+  explicit Buffer(size_t n, size_t offset = 0) : raw(new char[n * sizeof(T) + 128]) {
+    const uintptr_t p = (reinterpret_cast<uintptr_t>(raw.get()) + 63) & ~uintptr_t(63);
+    data = reinterpret_cast<T*>(p + offset);
+  }
+  std::unique_ptr<char[]> raw;
+  T* data;
+};
+
+void bench_gemm(int64_t M, int64_t N, int64_t K, double ghz, size_t offset = 0) {
+  Buffer<uint16_t> A(M * K, offset), Bv(K * N, offset);
+  Buffer<float> C(M * N, offset);
+  const std::vector<uint16_t> a = random_bf16(M * K), b = random_bf16(K * N);
+  std::copy(a.begin(), a.end(), A.data);
+  std::copy(b.begin(), b.end(), Bv.data);
+  std::fill(C.data, C.data + M * N, 0.f);
+  for (int acc = 0; acc < 2; ++acc) {
+    for (int i = 0; i < 200; ++i) amx::gemm(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
+    double best = 1e30;  // best of 20 rounds: the machine may be shared
+    for (int r = 0; r < 20; ++r) {
+      const auto t0 = std::chrono::steady_clock::now();
+      for (int i = 0; i < 200; ++i) amx::gemm(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
+      best = std::min(best, seconds_since(t0) / 200);
+    }
+    const double gflops = 2.0 * M * N * K / best / 1e9;
+    std::printf("gemm M=%-4lld N=%-4lld K=%-4lld acc=%d%s: %7.1f GFLOP/s = %5.1f FLOP/cycle at %.2f GHz (%2.0f%% of 1024)\n",
+                (long long)M, (long long)N, (long long)K, acc, offset ? " rows misaligned" : "", gflops, gflops / ghz,
+                ghz, 100.0 * gflops / ghz / 1024);
+  }
+}
+
+template <class F>
+void bench_helper(const char* what, F&& f) {
+  for (int i = 0; i < 200; ++i) f();
+  double best = 1e30;
+  for (int r = 0; r < 20; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < 100; ++i) f();
+    best = std::min(best, seconds_since(t0) / 100);
+  }
+  std::printf("%-58s %8.0f ns\n", what, best * 1e9);
+}
+
+void bench() {
+  const double ghz = tsc_ghz();  // the TSC rate; the core may run faster (turbo)
+  std::printf("single thread, 64-byte aligned buffers unless said, lda = K, ldc = N, best of 20 rounds\n");
+  amx::configure_tiles();
+  bench_gemm(256, 128, 64, ghz);
+  bench_gemm(64, 256, 128, ghz);
+  bench_gemm(256, 64, 256, ghz);
+  bench_gemm(64, 64, 64, ghz);
+  bench_gemm(256, 128, 64, ghz, 32);  // every tile row straddles two cache lines
+  amx::release_tiles();
+  // The helpers on a 64 x 128 (bf16 or fp32) block, the size of one attention tile.
+  std::vector<uint16_t> src = random_bf16(128 * 128), dst(128 * 128);
+  std::vector<float> srcf(128 * 128, 0.5f);
+  bench_helper("pack_vnni_from_rows        K=64  N=128 (V, 64x128)",
+               [&] { amx::pack_vnni_from_rows(dst.data(), src.data(), 128, 64, 128, 64, 128); });
+  bench_helper("pack_vnni_from_transposed  N=64  K=128 (K^T, K 64x128)",
+               [&] { amx::pack_vnni_from_transposed(dst.data(), src.data(), 128, 64, 128, 128, 64); });
+  bench_helper("convert_rows_to_bf16       M=64  K=128",
+               [&] { amx::convert_rows_to_bf16(dst.data(), 128, srcf.data(), 128, 64, 128, 128); });
+  bench_helper("convert_transposed_to_bf16 M=64  K=128",
+               [&] { amx::convert_transposed_to_bf16(dst.data(), 64, srcf.data(), 128, 64, 128, 64); });
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!amx::cpu_has_amx_bf16()) {
+    std::printf("skipped: CPU or OS lacks AMX-BF16 / AVX512-BF16\n");
+    return 0;
+  }
+  if (!amx::request_amx_permission()) {
+    std::printf("skipped: the OS refused the AMX tile-data permission (arch_prctl)\n");
+    return 0;
+  }
+  if (argc > 1 && std::string(argv[1]) == "--bench") {
+    bench();
+    return 0;
+  }
+
+  amx::configure_tiles();
+  const int64_t sizes[] = {16, 32, 48, 64, 112, 256};
+  for (int64_t M : sizes)
+    for (int64_t N : sizes)
+      for (int64_t K : {32, 64, 96, 256})
+        for (bool acc : {false, true}) {
+          if ((M * N * K) % 3 != 0 && M > 64 && N > 64) continue;  // thin the big cases out a little
+          test_gemm(M, N, K, acc, (M + N) % 2 ? 0 : 40, (N + K) % 2 ? 0 : 24);
+        }
+  test_gemm(32, 32, 32, true, 7, 3);  // odd leading dimensions (unaligned rows)
+  test_gemm(48, 80, 160, false, 1, 5);
+  for (int r = 0; r < 40; ++r) {
+    const int64_t K = rand_int(1, 200), N = rand_int(1, 200);
+    const int64_t Kp = amx::round_up(K, 32) + 32 * rand_int(0, 1), Np = amx::round_up(N, 16) + 16 * rand_int(0, 1);
+    test_pack_vnni_from_rows(K, N, Kp, Np, N + rand_int(0, 9));
+    test_pack_vnni_from_transposed(N, K, Kp, Np, K + rand_int(0, 9));
+    const int64_t M = rand_int(1, 100), Kq = amx::round_up(K, 32) + rand_int(0, 40);
+    test_convert_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
+    test_convert_transposed(M, K, amx::round_up(M, 32) + rand_int(0, 40), K + rand_int(0, 9),
+                            amx::round_up(M, 32) + 48);
+    test_copy_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
+  }
+  test_pack_vnni_from_rows(64, 128, 64, 128, 128);  // exact sizes, no padding
+  test_pack_vnni_from_transposed(64, 128, 128, 64, 128);
+  test_pipeline(37, 53, 24);
+  test_pipeline(64, 128, 64);
+  test_pipeline(100, 30, 72);
+  amx::release_tiles();
+
+  std::printf("%d passed, %d failed\n", passed, failed);
+  return failed == 0 ? 0 : 1;
+}

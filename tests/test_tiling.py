@@ -2,7 +2,8 @@
 last tiles: the online softmax across key tiles, causal tile skipping, the
 mask and dropout offsets of later tiles, and the backward's accumulation over
 tiles, all in float64 against the reference (errors ~1e-15, so 1e-11 leaves no
-room for a real bug)."""
+room for a real bug). The CPU kernels choose their tiles per CPU (64 query rows;
+128 to 512 keys, by the L2 size): the shapes span several of any choice."""
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from helpers import attn_ext_module, make_mask, make_qkv, rel_err
 
 TOL = 1e-11
 
-# (L, S): the CPU forward uses 64 x 256 tiles below L = 768 and 256 x 128 from there on.
-SHAPES = {"short_queries_long_keys": (70, 600), "long_queries": (800, 300)}
+# (L, S): at least two query tiles and, for every key-tile choice, two key tiles plus a partial one.
+SHAPES = {"short_queries_long_keys": (70, 1100), "long_queries": (300, 1090)}
 VARIANTS = {
     "plain": dict(),
     "causal_top_left": dict(is_causal=True),
@@ -59,11 +60,43 @@ def test_multi_tile_forward_and_backward_match_reference(shape, variant, device)
         assert rel_err(g, w) < TOL, name
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("variant", ["plain", "float_mask_grad_and_causal", "bool_mask_gqa"])
+def test_backward_split_over_key_chunks_matches_reference(variant, threads, device):
+    """One (batch, kv head) and more threads than that: the backward splits the keys into
+    chunks, one task each, and sums their dQ afterwards (B = 1, Hkv = 1, GQA over 3 heads)."""
+    attn_ext = attn_ext_module()
+    cfg = VARIANTS[variant]
+    Hq = 3 if cfg.get("gqa") else 1
+    L, S = 150, 1100
+    q, k, v = make_qkv(1, Hq, 1, L, S, 16, 8, torch.float64, device, seed=11, requires_grad=True)
+    mask = None
+    if cfg.get("mask") == "float":
+        mask = make_mask("float", (1, Hq, L, S), torch.float64, device, seed=4, requires_grad=True)
+    elif cfg.get("mask") == "bool":
+        mask = make_mask("bool", (L, S), torch.float64, device, seed=4, keep_prob=0.9)
+    # bottom-right: every key block has rows that see it, so every chunk's dQ counts
+    kw = dict(is_causal=cfg.get("is_causal", False), enable_gqa=Hq > 1, causal_alignment="bottom_right")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attn_ext.scaled_dot_product_attention(q, k, v, mask, **kw)
+        inputs = [q, k, v] + ([mask] if mask is not None and mask.requires_grad else [])
+        grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2)).to(device)
+        got = torch.autograd.grad(out, inputs, grad)
+    finally:
+        torch.set_num_threads(before)
+    ref, _ = attention_reference(q, k, v, mask, **kw)
+    want = torch.autograd.grad(ref, inputs, grad)
+    for name, g, w in zip(["query", "key", "value", "attn_mask"], got, want):
+        assert rel_err(g, w) < TOL, name
+
+
 def test_multi_tile_probs_match_reference(device):
     attn_ext = attn_ext_module()
     from attn_ext.reference import attention_probs_reference
 
-    q, k, _ = make_qkv(2, 2, 2, 800, 300, 16, 16, torch.float64, device, seed=5)
+    q, k, _ = make_qkv(2, 2, 2, 150, 1100, 16, 16, torch.float64, device, seed=5)
     got = attn_ext.attention_probs(q, k, is_causal=True, causal_alignment="bottom_right")
     want = attention_probs_reference(q, k, is_causal=True, causal_alignment="bottom_right")
     assert rel_err(got, want) < TOL

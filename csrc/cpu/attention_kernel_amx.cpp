@@ -23,14 +23,15 @@ void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
 }
 
 // The forward's products on AMX tiles (VecForwardProducts' interface). Q is
-// kept as bfloat16 rows (the A operand) and the scale applied to the float32
-// scores; K^T and V of a (batch, kv head) are packed once into VNNI panels, one
+// kept as bfloat16 rows (the A operand), unscaled: the driver applies the
+// scale to the float32 scores (unscaled()); K^T and V of a (batch, kv head) are packed once into VNNI panels, one
 // per key block, and kept while they fit. P is rounded to bfloat16 for P V.
 class AmxForwardProducts {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;      // a C tile is 16 floats wide
   static constexpr int64_t kKeyAlign = 32;  // P V takes keys 32 at a time (one A tile's depth)
+  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
   AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
       : p_(p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
@@ -69,8 +70,6 @@ class AmxForwardProducts {
       if (cache_) k_packed_[blk] = true;
     }
     amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
-    const float scale = static_cast<float>(p_.scale);
-    for (int64_t r = 0; r < m_; ++r) scale_row(st + r * ld, ld, scale);
   }
 
   void add_pv(float* ot, const float* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
@@ -115,12 +114,13 @@ class AmxForwardProducts {
 // and dO are kept unscaled as bfloat16 A rows and as VNNI panels (for dK and
 // dV, whose sums run over the query rows); K^T, V^T and K of a key block as
 // VNNI panels. Z^T, dS and dS^T are rounded to bfloat16 for their products.
-// S is scaled in float32; dQ and dK are stored times the scale.
+// S = Q K^T comes unscaled (the driver scales it); dQ and dK are stored times the scale.
 class AmxBackwardProducts {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;
   static constexpr int64_t kKeyAlign = 32;
+  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }
   static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
   static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
 
@@ -175,8 +175,6 @@ class AmxBackwardProducts {
 
   void scores(float* st) {
     amx::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, n16_, false);
-    const float scale = static_cast<float>(p_.scale);
-    for (int64_t r = 0; r < m_; ++r) scale_row(st + r * n16_, n16_, scale);
   }
 
   void grad_probs(float* dst) {

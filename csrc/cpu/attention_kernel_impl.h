@@ -28,6 +28,8 @@
 #include <type_traits>
 #include <vector>
 
+#include <unistd.h>  // sysconf: the L2 size
+
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -49,25 +51,52 @@ using at::vec::Vectorized;
 template <typename scalar_t>
 using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
-// Micro-kernel register blocking: kGemmRows rows x 2 vectors of accumulators,
-// plus 2 vectors of B and one broadcast of A. AVX-512 has 32 vector registers
-// (12 x 2 = 24 accumulators), AVX2 16 (6 x 2 = 12).
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr int kGemmRows = 12;
-#else
+// Micro-kernel register blocking: kGemmRows rows x kGemmVecs vectors of
+// accumulators, plus kGemmVecs vectors of B and one broadcast of A. AVX-512
+// has 32 vector registers: 6 x 4 = 24 accumulators (64 columns, a head dim or
+// a key tile); AVX2 16: 6 x 2 = 12. Six rows keep A's row pointers in general
+// registers (twelve spilled them).
 constexpr int kGemmRows = 6;
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kGemmVecs = 4;
+#else
+constexpr int kGemmVecs = 2;
 #endif
 
-// Tile sizes, in one place. The forward keeps a (q x kv) score tile, the
-// scaled Q tile, the K^T and V tiles and the output tile in the core's L2;
-// long queries take tall tiles so each packed K^T tile serves many rows.
+// Tile sizes, in one place. A forward task keeps a (q x kv) score tile, the
+// packed K^T and V panels of its key block, and its Q and output rows in the
+// core's L2; kv is the widest of 512, 256, 128 keys whose working set takes at
+// most half the L2 (this Xeon has 2 MiB per core: 512 keys; a Zen 3 EPYC
+// 512 KiB: 256 keys at head dim 64). 64-row query blocks keep the causal
+// diagonal's masked part small. The backward keeps more per key block (K, K^T,
+// V^T, P, dS and the dK, dV sums): 64 x 256, halved to 128 keys likewise.
 struct Tiles {
   int64_t q;   // query rows per tile
   int64_t kv;  // keys per tile
 };
-constexpr int64_t kMaxQTile = 256;
-inline Tiles forward_tiles(int64_t L) { return L >= 768 ? Tiles{256, 128} : Tiles{64, 256}; }
-inline Tiles backward_tiles() { return Tiles{64, 256}; }
+constexpr int64_t kMaxQTile = 64;
+
+inline int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
+    return l2 > 0 ? int64_t(l2) : int64_t(512) << 10;
+  }();
+  return bytes;
+}
+
+inline Tiles forward_tiles(int64_t E, int64_t Ev) {
+  constexpr int64_t q = 64;
+  int64_t kv = 512;
+  while (kv > 128 && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
+  return Tiles{q, kv};
+}
+
+inline Tiles backward_tiles(int64_t E, int64_t Ev) {
+  constexpr int64_t q = 64;
+  int64_t kv = 256;
+  while (kv > 128 && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
+  return Tiles{q, kv};
+}
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -153,9 +182,15 @@ void gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t a_rs, in
           const T* b, int64_t ldb, bool accumulate, T* c, int64_t ldc) {
   constexpr int64_t VS = Vectorized<T>::size();
   int64_t n = 0;
-  for (; n + 2 * VS <= N; n += 2 * VS)
-    gemm_strip<T, 2>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
-  if (n < N) gemm_strip<T, 1>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
+  for (; n + kGemmVecs * VS <= N; n += kGemmVecs * VS)
+    gemm_strip<T, kGemmVecs>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
+  if constexpr (kGemmVecs > 2) {
+    if (n + 2 * VS <= N) {
+      gemm_strip<T, 2>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
+      n += 2 * VS;
+    }
+  }
+  for (; n < N; n += VS) gemm_strip<T, 1>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
 }
 
 // ---------------------------------------------------------------------------
@@ -183,14 +218,48 @@ inline T row_max(const T* s, int64_t n) {
   return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return at::vec::maximum(a, b); }, acc);
 }
 
-// s = exp(s - shift); returns the sum. -inf entries become 0.
+#if defined(CPU_CAPABILITY_AVX512)
+// 2^t for 16 floats: t = n + f with n an integer and |f| <= 1/2; 2^f by its
+// degree-6 Taylor polynomial (relative error < 2e-7), times 2^n by vscalefps.
+// t is clamped at -150 first, so -inf gives 0 (NaN stays NaN). About half the
+// instructions of at::vec's exp_u20, which matters: the softmax's exponentials
+// cost as much as the AMX products.
+inline __m512 exp2_avx512(__m512 t) {
+  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);  // max(a, NaN) = NaN
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 q = _mm512_set1_ps(1.5403486e-4f);                // ln2^6 / 6!
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.3333558e-3f));  // ln2^5 / 5!
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 4!
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 3!
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022651e-1f));  // ln2^2 / 2!
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314718e-1f));  // ln2
+  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(q, n);
+}
+#endif
+
+// s = exp(s * mul - shift); returns the sum. -inf entries become 0.
 template <typename T>
-inline T exp_shift_sum(T* s, int64_t n, T shift) {
+inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const __m512 a = _mm512_set1_ps(mul * kLog2e), c = _mm512_set1_ps(shift * kLog2e);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __m512 e = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, c));
+      _mm512_storeu_ps(s + j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
   using Vec = Vectorized<T>;
-  const Vec vshift(shift);
+  const Vec vshift(shift), vmul(mul);
   Vec acc(T(0));
   for (int64_t j = 0; j < n; j += Vec::size()) {
-    const Vec e = vexp(Vec::loadu(s + j) - vshift);
+    const Vec e = vexp(at::vec::fmsub(Vec::loadu(s + j), vmul, vshift));
     e.store(s + j);
     acc = acc + e;
   }
@@ -208,7 +277,19 @@ inline void scale_row(T* x, int64_t n, T factor) {
 template <typename scalar_t, typename T>
 inline void load_row(T* dst, const scalar_t* src, int64_t n, int64_t stride, T mul, int64_t n_padded) {
   if (stride == 1) {
-    for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(src[e]) * mul;
+    int64_t e = 0;
+    if constexpr (std::is_same_v<T, float> && !std::is_same_v<scalar_t, float>) {
+      // float16/bfloat16: whole vectors converted at once (F16C / AVX-512 conversions)
+      using Vh = Vectorized<scalar_t>;
+      using Vf = Vectorized<float>;
+      const Vf vmul(mul);
+      for (; e + Vh::size() <= n; e += Vh::size()) {
+        auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vh::loadu(src + e));
+        (lo * vmul).store(dst + e);
+        (hi * vmul).store(dst + e + Vf::size());
+      }
+    }
+    for (; e < n; ++e) dst[e] = static_cast<T>(src[e]) * mul;
   } else {
     for (int64_t e = 0; e < n; ++e) dst[e] = static_cast<T>(src[e * stride]) * mul;
   }
@@ -289,6 +370,20 @@ inline void mask_score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padde
   for (int64_t j = n; j < n_padded; ++j) s[j] = kNegInf;
 }
 
+// Products may leave a score tile unscaled (AMX keeps Q as bfloat16, unscaled):
+// s * unscaled is the score. An additive mask adds to scores, so with one the
+// row is scaled here before masking; otherwise the factor is returned and
+// rides in the exponent (masking to -inf does not care). 1 when already scaled.
+template <typename T>
+inline T fold_scale(const AttnParams& p, T* s, int64_t np, T unscaled) {
+  if (unscaled == T(1)) return T(1);
+  if (p.mask_kind == MaskKind::Additive || !(unscaled > T(0))) {
+    scale_row(s, np, unscaled);
+    return T(1);
+  }
+  return unscaled;
+}
+
 // The dropout of one call: keep iff the element's random number >= threshold.
 template <typename T>
 struct Dropout {
@@ -302,13 +397,13 @@ struct Dropout {
 };
 
 // Row i of a score tile (keys j0 + j, already masked) to probabilities, given
-// the row's log-sum-exp: s = exp(s - lse). With dropout, z = s * keep / (1 - p)
+// the row's log-sum-exp: s = exp(s * mul - lse) (mul: see fold_scale). With dropout, z = s * keep / (1 - p)
 // (z may be s itself) and, when dz is given, dz *= keep / (1 - p) likewise.
 // Shared by the backward and the explicit-probabilities forward.
 template <typename T>
 inline void probabilities_row(const AttnParams& p, const Dropout<T>& drop, T* s, T* z, T* dz, int64_t n,
-                              int64_t np, T row_lse, int64_t b, int64_t h, int64_t i, int64_t j0) {
-  exp_shift_sum(s, np, row_lse);
+                              int64_t np, T row_lse, T mul, int64_t b, int64_t h, int64_t i, int64_t j0) {
+  exp_shift_sum(s, np, row_lse, mul);
   if (!drop.on) return;
   DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
   for (int64_t j = 0; j < n; ++j) {
@@ -334,19 +429,22 @@ class VecForwardProducts {
   using T = acc_t<scalar_t>;
   static constexpr int64_t kCols = Vectorized<T>::size();  // S and O tile columns are padded to this
   static constexpr int64_t kKeyAlign = kCols;               // key blocks are a multiple of this
+  static T unscaled(const AttnParams&) { return T(1); }     // scores() scales (Q is scaled)
 
   VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
       : p_(p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
-        q_(static_cast<const scalar_t*>(p.q)), k_(static_cast<const scalar_t*>(p.k)),
-        v_(static_cast<const scalar_t*>(p.v)),
+        blocks_(ceil_div(std::max<int64_t>(p.S, 1), kv_block)), q_(static_cast<const scalar_t*>(p.q)),
+        k_(static_cast<const scalar_t*>(p.k)), v_(static_cast<const scalar_t*>(p.v)),
         v_direct_(p.probs == nullptr && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && p.Ev % kCols == 0) {
     const int64_t E1 = std::max<int64_t>(E_, 1);
-    const int64_t all_blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
-    cache_ = E1 * all_blocks * kv_block * int64_t(sizeof(T)) <= kKeyCacheBytes;
+    const bool pack_v = !v_direct_ && p.probs == nullptr;
+    const int64_t panels = E1 * kv_block + (pack_v ? kv_block * Evp_ : 0);
+    cache_ = panels * blocks_ * int64_t(sizeof(T)) <= kKeyCacheBytes;
+    const int64_t slots = cache_ ? blocks_ : 1;
     qt_.resize(q_block * E1);
-    kt_.resize(E1 * kv_block * (cache_ ? all_blocks : 1));
+    kt_.resize(E1 * kv_block * slots);
     krow_.resize(E1);
-    if (!v_direct_ && p.probs == nullptr) vt_.resize(kv_block * Evp_);
+    if (pack_v) vt_.resize(kv_block * Evp_ * slots);
   }
 
   int64_t out_ld() const { return Evp_; }
@@ -367,48 +465,44 @@ class VecForwardProducts {
       score_rows_direct(st, ld, n, k_tile);
       return;
     }
-    const T* kt = packed_keys(b, hk, j0 / kv_block_, n, k_tile);
+    const int64_t slot = bind(b, hk, j0 / kv_block_);
+    T* kt = kt_.data() + slot * E_ * kv_block_;
+    if (!cache_ || !k_packed_[slot]) {  // the whole block: a cached panel serves every query block
+      pack_transposed(kt, kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], keys_in(j0), E_);
+      if (cache_) k_packed_[slot] = true;
+    }
     gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
   }
 
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const scalar_t* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
-    const T* vtile = vt_.data();
-    int64_t ldv = Evp_;
     if constexpr (std::is_same_v<scalar_t, T>) {
-      if (v_direct_) {
-        vtile = v_tile;
-        ldv = p_.v_stride[2];
-      }
+      if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_.v_stride[2], true, ot, Evp_);
     }
-    if (!v_direct_) {
-      for (int64_t j = 0; j < n; ++j)
-        load_row(vt_.data() + j * Evp_, v_tile + j * p_.v_stride[2], Ev_, p_.v_stride[3], T(1), Evp_);
+    const int64_t slot = bind(b, hk, j0 / kv_block_);
+    T* vt = vt_.data() + slot * kv_block_ * Evp_;
+    if (!cache_ || !v_packed_[slot]) {
+      for (int64_t j = 0; j < keys_in(j0); ++j)
+        load_row(vt + j * Evp_, v_tile + j * p_.v_stride[2], Ev_, p_.v_stride[3], T(1), Evp_);
+      if (cache_) v_packed_[slot] = true;
     }
-    gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vtile, ldv, true, ot, Evp_);
+    gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vt, Evp_, true, ot, Evp_);
   }
 
  private:
-  // K^T of key block `blk` (E x kv_block), packed on first use for this (batch, kv head).
-  // Cached panels hold the whole block, whatever part of it (n keys) the first user saw.
-  const T* packed_keys(int64_t b, int64_t hk, int64_t blk, int64_t n, const scalar_t* k_tile) {
-    const int64_t panel = E_ * kv_block_;
-    n = std::min(kv_block_, p_.S - blk * kv_block_);
-    if (!cache_) {
-      pack_transposed(kt_.data(), kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
-      return kt_.data();
-    }
+  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_.S - j0); }
+
+  // The panel slot of key block blk; forgets the cached panels when the (batch, kv head) changes.
+  int64_t bind(int64_t b, int64_t hk, int64_t blk) {
+    if (!cache_) return 0;
     const int64_t head = b * p_.Hkv + hk;
     if (head != cached_head_) {
       cached_head_ = head;
-      packed_.assign(ceil_div(std::max<int64_t>(p_.S, 1), kv_block_), false);
+      k_packed_.assign(blocks_, false);
+      v_packed_.assign(blocks_, false);
     }
-    if (!packed_[blk]) {
-      pack_transposed(kt_.data() + blk * panel, kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
-      packed_[blk] = true;
-    }
-    return kt_.data() + blk * panel;
+    return blk;
   }
 
   void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
@@ -424,7 +518,7 @@ class VecForwardProducts {
   }
 
   const AttnParams& p_;
-  const int64_t E_, Ev_, Evp_, kv_block_;
+  const int64_t E_, Ev_, Evp_, kv_block_, blocks_;
   const scalar_t* q_;
   const scalar_t* k_;
   const scalar_t* v_;
@@ -432,7 +526,7 @@ class VecForwardProducts {
   bool cache_ = false;
   int64_t m_ = 0;
   int64_t cached_head_ = -1;
-  std::vector<bool> packed_;
+  std::vector<bool> k_packed_, v_packed_;
   std::vector<T> qt_, kt_, krow_, vt_;
 };
 
@@ -449,7 +543,7 @@ void forward_driver(const AttnParams& p) {
 
   const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, Ev = p.Ev;
   const int64_t group = Hq / p.Hkv;
-  const Tiles tiles = forward_tiles(L);
+  const Tiles tiles = forward_tiles(p.E, p.Ev);
   const int64_t q_block = tiles.q;
   const int64_t n_qblocks = ceil_div(L, q_block);
   const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
@@ -463,6 +557,7 @@ void forward_driver(const AttnParams& p) {
   at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
     const int64_t ldo = products.out_ld();
+    const T unscaled = Products::unscaled(p);  // scores() leaves S divided by this
     Buffer<T> st(q_block * kv_block);
     Buffer<T> ot(write_probs ? 0 : q_block * ldo);
     T row_m[kMaxQTile];
@@ -490,14 +585,15 @@ void forward_driver(const AttnParams& p) {
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
+          const T f = fold_scale(p, s, np, unscaled);
           mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-          const T m_new = std::max(row_m[r], row_max(s, np));
+          const T m_new = std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row
             std::fill(s, s + np, T(0));
             continue;
           }
           const T correction = std::exp(row_m[r] - m_new);  // 0 when row_m was -inf
-          row_l[r] = row_l[r] * correction + exp_shift_sum(s, np, m_new);
+          row_l[r] = row_l[r] * correction + exp_shift_sum(s, np, m_new, f);
           row_m[r] = m_new;
           if (write_probs) continue;
           if (correction != T(1)) scale_row(ot.data() + r * ldo, ldo, correction);
@@ -538,8 +634,9 @@ void forward_driver(const AttnParams& p) {
           if (j0 >= kv_end || lse_bh[i] == kNegInf) {
             std::fill(s, s + np, T(0));
           } else {
+            const T f = fold_scale(p, s, np, unscaled);
             mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-            probabilities_row(p, drop, s, s, static_cast<T*>(nullptr), n, np, lse_bh[i], b, h, i, j0);
+            probabilities_row(p, drop, s, s, static_cast<T*>(nullptr), n, np, lse_bh[i], f, b, h, i, j0);
           }
           store_row(p_bh + i * p.probs_stride[2] + j0 * p.probs_stride[3], p.probs_stride[3], s, n, T(1));
         }
@@ -567,6 +664,7 @@ class VecBackwardProducts {
   using T = acc_t<scalar_t>;
   static constexpr int64_t kCols = Vectorized<T>::size();  // tile columns and accumulator rows pad to this
   static constexpr int64_t kKeyAlign = kCols;
+  static T unscaled(const AttnParams&) { return T(1); }
   static T dq_scale(const AttnParams&) { return T(1); }
   static T dk_scale(const AttnParams&) { return T(1); }
 
@@ -659,7 +757,7 @@ void backward_driver(const AttnBwdParams& p) {
 
   const int64_t B = p.B, Hq = p.Hq, Hkv = p.Hkv, L = p.L, S = p.S, E = p.E, Ev = p.Ev;
   const int64_t group = Hq / Hkv;
-  const Tiles tiles = backward_tiles();
+  const Tiles tiles = backward_tiles(E, Ev);
   const int64_t q_block = tiles.q;
   const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
   const int64_t key_blocks = ceil_div(S, kv_block);
@@ -714,6 +812,7 @@ void backward_driver(const AttnBwdParams& p) {
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
+    const T unscaled = Products::unscaled(p);              // scores() leaves S divided by this
     Buffer<T> pt(q_block * kv_block);                     // P tile
     Buffer<T> zt(dropout ? q_block * kv_block : 0);       // dropped P tile
     Buffer<T> dst(q_block * kv_block);                    // dP, then dS
@@ -770,8 +869,10 @@ void backward_driver(const AttnBwdParams& p) {
                 if (dropout) std::fill(zt.data() + r * np, zt.data() + (r + 1) * np, T(0));
                 continue;
               }
+              const T f = fold_scale(p, s, np, unscaled);
               mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-              probabilities_row(p, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, b, h, i, j0);
+              probabilities_row(p, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h, i,
+                                j0);
               const Vec d(delta_bh[i]);
               for (int64_t j = 0; j < np; j += VS)
                 (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);

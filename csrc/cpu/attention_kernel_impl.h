@@ -212,6 +212,38 @@ inline T hsum(const Vectorized<T>& x) {
 
 template <typename T>
 inline T row_max(const T* s, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) {
+    // Four chains hide vmaxps' latency (AVX2 below alike). A NaN score is skipped here; it still
+    // reaches the output through its exponential (exp_shift_sum keeps NaN).
+    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+    int64_t j = 0;
+    for (; j + 64 <= n; j += 64) {
+      m0 = _mm512_max_ps(_mm512_loadu_ps(s + j), m0);
+      m1 = _mm512_max_ps(_mm512_loadu_ps(s + j + 16), m1);
+      m2 = _mm512_max_ps(_mm512_loadu_ps(s + j + 32), m2);
+      m3 = _mm512_max_ps(_mm512_loadu_ps(s + j + 48), m3);
+    }
+    for (; j < n; j += 16) m0 = _mm512_max_ps(_mm512_loadu_ps(s + j), m0);
+    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+      m0 = _mm256_max_ps(_mm256_loadu_ps(s + j), m0);
+      m1 = _mm256_max_ps(_mm256_loadu_ps(s + j + 8), m1);
+      m2 = _mm256_max_ps(_mm256_loadu_ps(s + j + 16), m2);
+      m3 = _mm256_max_ps(_mm256_loadu_ps(s + j + 24), m3);
+    }
+    for (; j < n; j += 8) m0 = _mm256_max_ps(_mm256_loadu_ps(s + j), m0);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+  }
+#endif
   using Vec = Vectorized<T>;
   Vec acc(-std::numeric_limits<T>::infinity());
   for (int64_t j = 0; j < n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
@@ -239,6 +271,33 @@ inline __m512 exp2_avx512(__m512 t) {
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// 2^t for 8 floats, as exp2_avx512 but without vscalefps: 2^n is built in the
+// exponent bits, so t is clamped at -126 (the smallest normal) and anything
+// below it (-inf included) gives exactly 0. NaN stays NaN.
+inline __m256 exp2_avx2(__m256 t) {
+  const __m256 under = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ);
+  t = _mm256_max_ps(_mm256_set1_ps(-126.f), t);  // max(a, NaN) = NaN
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 q = _mm256_set1_ps(1.5403486e-4f);
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.3333558e-3f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(9.6181291e-3f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(5.5504109e-2f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(2.4022651e-1f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(6.9314718e-1f));
+  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(pow2n)));
+}
+
+inline float hsum_avx2(__m256 x) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+#endif
+
 // s = exp(s * mul - shift); returns the sum. -inf entries become 0.
 template <typename T>
 inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
@@ -246,13 +305,43 @@ inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
   if constexpr (std::is_same_v<T, float>) {
     constexpr float kLog2e = 1.4426950408889634f;
     const __m512 a = _mm512_set1_ps(mul * kLog2e), c = _mm512_set1_ps(shift * kLog2e);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < n; j += 16) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+      const __m512 e0 = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, c));
+      const __m512 e1 = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), a, c));
+      _mm512_storeu_ps(s + j, e0);
+      _mm512_storeu_ps(s + j + 16, e1);
+      acc0 = _mm512_add_ps(acc0, e0);
+      acc1 = _mm512_add_ps(acc1, e1);
+    }
+    for (; j < n; j += 16) {
       const __m512 e = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, c));
       _mm512_storeu_ps(s + j, e);
-      acc = _mm512_add_ps(acc, e);
+      acc0 = _mm512_add_ps(acc0, e);
     }
-    return _mm512_reduce_add_ps(acc);
+    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) {
+    constexpr float kLog2e = 1.4426950408889634f;
+    const __m256 a = _mm256_set1_ps(mul * kLog2e), c = _mm256_set1_ps(shift * kLog2e);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m256 e0 = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, c));
+      const __m256 e1 = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j + 8), a, c));
+      _mm256_storeu_ps(s + j, e0);
+      _mm256_storeu_ps(s + j + 8, e1);
+      acc0 = _mm256_add_ps(acc0, e0);
+      acc1 = _mm256_add_ps(acc1, e1);
+    }
+    for (; j < n; j += 8) {
+      const __m256 e = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, c));
+      _mm256_storeu_ps(s + j, e);
+      acc0 = _mm256_add_ps(acc0, e);
+    }
+    return hsum_avx2(_mm256_add_ps(acc0, acc1));
   }
 #endif
   using Vec = Vectorized<T>;

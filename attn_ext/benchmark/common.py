@@ -1,9 +1,9 @@
-"""Helpers shared by the attn_ext benchmarks (CPU now, GPU later).
+"""Helpers shared by the attn_ext benchmarks (CPU and CUDA).
 
 Nothing here knows about attn_ext itself: shapes, FLOP counts, timing, peak
 memory, error measures, machine description and table formatting.
 
-FLOP convention (docs: DESIGN.md, "Performance method"):
+FLOP convention (the README's "Performance method"):
     forward  = 4 * B * H * L * S * E   (two matmuls, 2 FLOPs per multiply-add)
     backward = 2.5 * forward            (five matmuls, one recomputes the scores)
     fwd+bwd  = 3.5 * forward
@@ -116,7 +116,7 @@ _PASS_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 
 def attention_flops(shape: Shape, pass_: str) -> float:
-    """FLOPs of one call, per DESIGN.md's convention (see module docstring)."""
+    """FLOPs of one call, per the convention in the module docstring."""
     fwd = 4.0 * shape.B * shape.H * shape.L * shape.s * shape.E
     if shape.causal:
         fwd /= 2.0

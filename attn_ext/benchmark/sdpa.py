@@ -31,7 +31,7 @@ threads). Memory is measured after all timing, in a worker process (this
 script, re-run with a hidden --memory-worker flag) started with glibc's mmap
 threshold pinned low, which makes peak RSS exact but would slow the timed
 code. On CUDA it is torch.cuda.max_memory_allocated, in-process. See
-benchmarks/common.py for the details.
+attn_ext/benchmark/common.py for the details.
 The JSON keeps both CPU figures (tensor_peak_bytes, rss_peak_bytes).
 
 Before timing, each case is checked once: our output and input gradients
@@ -86,8 +86,12 @@ def load_ours(which: str, quiet: bool = False) -> tuple[Callable, str]:
         try:
             import attn_ext
 
+            from attn_ext import _build
+
             fn = attn_ext.scaled_dot_product_attention
-            return fn, f"attn_ext from {os.path.dirname(os.path.abspath(attn_ext.__file__ or '.'))}"
+            isa = _build.library_info().get("cpu_isa_active", "?")
+            return fn, (f"attn_ext from {os.path.dirname(os.path.abspath(attn_ext.__file__ or '.'))}, "
+                        f"CPU kernels: {isa}")
         except Exception as exc:  # ImportError, or a half-built package
             if which == "attn_ext":
                 raise SystemExit(f"cannot use attn_ext.scaled_dot_product_attention: {exc!r}")

@@ -72,7 +72,13 @@ class AmxForwardProducts {
     amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
   }
 
-  void add_pv(float* ot, const float* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  // Row r of P, rounded to bfloat16 while it is in L1 (the A operand of P V).
+  void take_p_row(int64_t r, const float* s, int64_t n) {
+    const int64_t n32 = round_up(n, 32);
+    amx::convert_rows_to_bf16(pa_.data() + r * n32, n32, s, n32, 1, n, n32);
+  }
+
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const int64_t blk = j0 / kv_block_;
     const int64_t n32 = round_up(n, 32);
     bind(b, hk);
@@ -83,8 +89,7 @@ class AmxForwardProducts {
       amx::pack_vnni_from_rows(vv, bits(v_tile), p_.v_stride[2], keys, p_.Ev, kv_block_, Evp_);
       if (cache_) v_packed_[blk] = true;
     }
-    amx::convert_rows_to_bf16(pa_.data(), n32, pt, ld, m_, n, n32);
-    zero_rows(pa_.data(), n32, m_, mp_);
+    zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
     amx::gemm(mp_, Evp_, n32, pa_.data(), n32, vv, 2 * Evp_, ot, Evp_, true);
   }
 

@@ -396,6 +396,22 @@ inline void store_row(scalar_t* dst, int64_t stride, const T* src, int64_t n, T 
 template <typename scalar_t, typename T>
 inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs, int64_t cs,
                             int64_t n, int64_t dim) {
+  if constexpr (!std::is_same_v<scalar_t, T>) {
+    if (cs == 1) {  // half types: convert a row a vector at a time, then scatter it
+      constexpr int64_t kChunk = 256;
+      T row[kChunk];
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+          const int64_t w = std::min(kChunk, dim - d0);
+          load_row(row, src + j * rs + d0, w, 1, T(1), w);
+          for (int64_t d = 0; d < w; ++d) dst[(d0 + d) * ld + j] = row[d];
+        }
+      }
+      for (int64_t d = 0; d < dim; ++d)
+        for (int64_t j = n; j < ld; ++j) dst[d * ld + j] = T(0);
+      return;
+    }
+  }
   for (int64_t j = 0; j < n; ++j) {
     const scalar_t* row = src + j * rs;
     for (int64_t d = 0; d < dim; ++d) dst[d * ld + j] = static_cast<T>(row[d * cs]);
@@ -563,6 +579,9 @@ class VecForwardProducts {
     gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
   }
 
+  // Row r of P is final (add_pv follows once every row is): at::vec reads P in place.
+  void take_p_row(int64_t, const T*, int64_t) {}
+
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const scalar_t* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
@@ -679,6 +698,7 @@ void forward_driver(const AttnParams& p) {
           const T m_new = std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row
             std::fill(s, s + np, T(0));
+            products.take_p_row(r, s, n);
             continue;
           }
           const T correction = std::exp(row_m[r] - m_new);  // 0 when row_m was -inf
@@ -691,6 +711,7 @@ void forward_driver(const AttnParams& p) {
             for (int64_t j = 0; j < n; ++j)
               if (rng.next() < drop.threshold) s[j] = T(0);
           }
+          products.take_p_row(r, s, n);
         }
         if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n);
       }

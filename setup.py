@@ -20,7 +20,15 @@ import subprocess
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-VERSION = "0.1.0"
+
+
+def _version():
+    """The version, from pyproject.toml (its one place; CMakeLists.txt reads it there too)."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        return re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
+
+
+VERSION = _version()
 
 
 def _nvcc_toolkit():

@@ -8,10 +8,11 @@ Public API:
     convert_attention              swap every torch.nn.MultiheadAttention in a model for ours
 """
 
+from ._build import version as _version
 from .modules import KVCache, MultiHeadAttention, convert_attention
 from .ops import attention_probs, scaled_dot_product_attention
 
-__version__ = "0.1.0"
+__version__ = _version()
 
 __all__ = [
     "scaled_dot_product_attention",

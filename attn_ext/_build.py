@@ -26,6 +26,11 @@ def built_for():
     return parse_build_info(BUILD_INFO)
 
 
+def version():
+    """attn_ext's version: pyproject.toml's, as setup.py recorded it in the build info."""
+    return (built_for() or {}).get("version", "unknown")
+
+
 def load_library():
     info = built_for()
     if info is None:

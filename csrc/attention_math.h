@@ -29,6 +29,19 @@
 
 namespace attn_ext {
 
+// The type a kernel computes in: float32 for float16/bfloat16/float32 inputs,
+// float64 for float64 (so gradcheck stays exact). The log-sum-exp has it too.
+template <typename scalar_t>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+template <typename scalar_t>
+using acc_t = typename AccType<scalar_t>::type;
+
 // Keys [0, causal_key_end(p, i)) are visible from query row i (all S keys
 // when the attention is not causal). 0 means the row sees no key at all.
 ATTN_HOST_DEVICE int64_t causal_key_end(const AttnParams& p, int64_t i) {
@@ -43,6 +56,19 @@ ATTN_HOST_DEVICE uint32_t dropout_threshold(double dropout_p) {
   const double t = dropout_p * 4294967296.0;
   return t >= 4294967295.0 ? 0xffffffffu : static_cast<uint32_t>(t);
 }
+
+// The dropout of one call as every kernel applies it: keep an element iff its
+// random number >= threshold, and scale what is kept by keep_scale = 1 / (1 - p).
+template <typename T>
+struct DropoutRule {
+  bool on;
+  uint32_t threshold;
+  T keep_scale;
+  ATTN_HOST_DEVICE explicit DropoutRule(const AttnParams& p)
+      : on(p.dropout_p > 0.0),
+        threshold(dropout_threshold(p.dropout_p)),
+        keep_scale(p.dropout_p > 0.0 ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)) {}
+};
 
 // The row index that keys Philox's subsequence: (b, h, i) of the (B, Hq, L) rows.
 ATTN_HOST_DEVICE uint64_t dropout_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {

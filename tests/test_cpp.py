@@ -2,7 +2,8 @@
 
 scripts/cmake_build.sh configures with torch.utils.cmake_prefix_path, builds
 libattn_ext and tests/cpp/test_attention.cpp (which calls the operators through
-the dispatcher and checks them against plain ATen math), then runs ctest. The
+the dispatcher and checks them against plain ATen math) and, on x86-64,
+tests/cpp/test_amx_bf16.cpp (the AMX tile primitives), then runs ctest. The
 build directory is build/cmake-pytest, kept between runs (incremental).
 """
 
@@ -25,3 +26,5 @@ def test_cmake_library_builds_and_ctest_passes():
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"cmake build or ctest failed:\n{log[-4000:]}"
     assert "100% tests passed" in log, log[-2000:]
+    if os.uname().machine in ("x86_64", "AMD64"):
+        assert "test_amx_bf16" in log, log[-2000:]  # the AMX tile primitives ran (or said why not)

@@ -31,6 +31,7 @@ class AmxForwardProducts {
   using T = float;
   static constexpr int64_t kCols = 16;      // a C tile is 16 floats wide
   static constexpr int64_t kKeyAlign = 32;  // P V takes keys 32 at a time (one A tile's depth)
+  static constexpr int64_t kRowAlign = 16;  // query blocks are whole A tiles
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
   AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)

@@ -47,9 +47,6 @@ namespace attn_ext::cpu::ATTN_EXT_KERNEL_NS {
 
 using at::vec::Vectorized;
 
-// float32 accumulation for float16/bfloat16/float32, float64 for float64.
-template <typename scalar_t>
-using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
 
 // Micro-kernel register blocking: kGemmRows rows x kGemmVecs vectors of
 // accumulators, plus kGemmVecs vectors of B and one broadcast of A. AVX-512
@@ -489,17 +486,9 @@ inline T fold_scale(const AttnParams& p, T* s, int64_t np, T unscaled) {
   return unscaled;
 }
 
-// The dropout of one call: keep iff the element's random number >= threshold.
+// The dropout rule of attention_math.h (keep test, 1 / (1 - p)).
 template <typename T>
-struct Dropout {
-  bool on;
-  uint32_t threshold;
-  T keep_scale;  // 1 / (1 - p)
-  explicit Dropout(const AttnParams& p)
-      : on(p.dropout_p > 0.0),
-        threshold(dropout_threshold(p.dropout_p)),
-        keep_scale(on ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)) {}
-};
+using Dropout = DropoutRule<T>;
 
 // Row i of a score tile (keys j0 + j, already masked) to probabilities, given
 // the row's log-sum-exp: s = exp(s * mul - lse) (mul: see fold_scale). With dropout, z = s * keep / (1 - p)
@@ -534,6 +523,7 @@ class VecForwardProducts {
   using T = acc_t<scalar_t>;
   static constexpr int64_t kCols = Vectorized<T>::size();  // S and O tile columns are padded to this
   static constexpr int64_t kKeyAlign = kCols;               // key blocks are a multiple of this
+  static constexpr int64_t kRowAlign = kGemmRows;           // query blocks are a multiple of this
   static T unscaled(const AttnParams&) { return T(1); }     // scores() scales (Q is scaled)
 
   VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
@@ -652,7 +642,8 @@ void forward_driver(const AttnParams& p) {
   const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, Ev = p.Ev;
   const int64_t group = Hq / p.Hkv;
   const Tiles tiles = forward_tiles(p.E, p.Ev);
-  const int64_t q_block = tiles.q;
+  // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
+  const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
   const int64_t n_qblocks = ceil_div(L, q_block);
   const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
   const Dropout<T> drop(p);

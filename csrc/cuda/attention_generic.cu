@@ -51,18 +51,8 @@ namespace {
 
 // ---------------------------------------------------------------------------
 // Types: scalar_t is what the tensors hold (__half, __nv_bfloat16, float,
-// double), T = acc_t<scalar_t> is what the kernels compute in.
+// double), T = acc_t<scalar_t> (attention_math.h) is what the kernels compute in.
 // ---------------------------------------------------------------------------
-template <typename scalar_t>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
-template <typename scalar_t>
-using acc_t = typename AccType<scalar_t>::type;
 
 __device__ __forceinline__ float to_acc(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_acc(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -262,18 +252,12 @@ __device__ __forceinline__ unsigned keep_bits(const AttnParams& p, uint64_t seed
   return bits;
 }
 
-// The dropout of one call; the seed comes from device memory.
+// The dropout of one call (attention_math.h's rule); the seed comes from device memory.
 template <typename T>
-struct Dropout {
-  bool on;
-  uint32_t threshold;
-  T keep_scale;  // 1 / (1 - p)
+struct Dropout : DropoutRule<T> {
   uint64_t seed;
   __device__ explicit Dropout(const AttnParams& p)
-      : on(p.dropout_p > 0.0),
-        threshold(dropout_threshold(p.dropout_p)),
-        keep_scale(on ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)),
-        seed(on ? static_cast<uint64_t>(*p.seed_ptr) : 0) {}
+      : DropoutRule<T>(p), seed(p.dropout_p > 0.0 ? static_cast<uint64_t>(*p.seed_ptr) : 0) {}
 };
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 // attn_ext: standalone test and micro-benchmark of csrc/cpu/amx_bf16.h (no torch needed).
-// Build:  g++ -O2 -std=c++17 -mavx512f -mavx512bw -mavx512vl -mavx512dq -mfma -mf16c
-//             tests/cpp/test_amx_bf16.cpp -o /tmp/test_amx_bf16     (CMake builds it too; ctest runs it)
+// Build:  g++ -O2 -std=c++17 tests/cpp/test_amx_bf16.cpp -o /tmp/test_amx_bf16
+//         (no ISA flags: amx_bf16.h enables its own; CMake builds it too and ctest runs it)
 // Run:    /tmp/test_amx_bf16 [--bench]   (prints "skipped: ..." and exits 0 without AMX)
 #include "../../csrc/cpu/amx_bf16.h"
 

@@ -194,162 +194,112 @@ void gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t a_rs, in
 // Row helpers (n is a multiple of the vector width)
 // ---------------------------------------------------------------------------
 template <typename T>
-inline Vectorized<T> vexp(const Vectorized<T>& x) {
-  if constexpr (std::is_same_v<T, float>) {
-    return x.exp_u20();
-  } else {
-    return x.exp();
-  }
-}
-
-template <typename T>
 inline T hsum(const Vectorized<T>& x) {
   return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return a + b; }, x);
 }
 
+// 2^t, and a maximum for the row max, per ISA. On AVX-512 and AVX2 (float):
+// t = n + f with n an integer and |f| <= 1/2, 2^f by its degree-6 Taylor
+// polynomial (relative error < 2e-7), times 2^n (vscalefps on AVX-512; the
+// exponent bits on AVX2, so there t < -126 gives exactly 0). -inf gives 0 and
+// NaN stays NaN. About half the instructions of at::vec's exp_u20, which
+// matters: the softmax's exponentials cost as much as the AMX products.
+// fast_max skips a NaN in x (the row max then ignores it; the NaN still
+// reaches the output through its exponential) and so avoids at::vec::maximum's
+// NaN blend. Elsewhere (DEFAULT, float64): at::vec's exp and maximum.
 template <typename T>
-inline T row_max(const T* s, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) {
-    // Four chains hide vmaxps' latency (AVX2 below alike). A NaN score is skipped here; it still
-    // reaches the output through its exponential (exp_shift_sum keeps NaN).
-    __m512 m0 = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
-    int64_t j = 0;
-    for (; j + 64 <= n; j += 64) {
-      m0 = _mm512_max_ps(_mm512_loadu_ps(s + j), m0);
-      m1 = _mm512_max_ps(_mm512_loadu_ps(s + j + 16), m1);
-      m2 = _mm512_max_ps(_mm512_loadu_ps(s + j + 32), m2);
-      m3 = _mm512_max_ps(_mm512_loadu_ps(s + j + 48), m3);
-    }
-    for (; j < n; j += 16) m0 = _mm512_max_ps(_mm512_loadu_ps(s + j), m0);
-    return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3)));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) {
-    __m256 m0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), m1 = m0, m2 = m0, m3 = m0;
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32) {
-      m0 = _mm256_max_ps(_mm256_loadu_ps(s + j), m0);
-      m1 = _mm256_max_ps(_mm256_loadu_ps(s + j + 8), m1);
-      m2 = _mm256_max_ps(_mm256_loadu_ps(s + j + 16), m2);
-      m3 = _mm256_max_ps(_mm256_loadu_ps(s + j + 24), m3);
-    }
-    for (; j < n; j += 8) m0 = _mm256_max_ps(_mm256_loadu_ps(s + j), m0);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
-    __m128 v = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
-    return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
-  }
-#endif
-  using Vec = Vectorized<T>;
-  Vec acc(-std::numeric_limits<T>::infinity());
-  for (int64_t j = 0; j < n; j += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(s + j));
-  return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return at::vec::maximum(a, b); }, acc);
+inline Vectorized<T> exp2_poly(const Vectorized<T>& t) {
+  const Vectorized<T> x = t * Vectorized<T>(T(0.6931471805599453));
+  if constexpr (std::is_same_v<T, float>) return x.exp_u20();
+  return x.exp();
+}
+template <typename T>
+inline Vectorized<T> fast_max(const Vectorized<T>& x, const Vectorized<T>& acc) {
+  return at::vec::maximum(x, acc);
 }
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #if defined(CPU_CAPABILITY_AVX512)
-// 2^t for 16 floats: t = n + f with n an integer and |f| <= 1/2; 2^f by its
-// degree-6 Taylor polynomial (relative error < 2e-7), times 2^n by vscalefps.
-// t is clamped at -150 first, so -inf gives 0 (NaN stays NaN). About half the
-// instructions of at::vec's exp_u20, which matters: the softmax's exponentials
-// cost as much as the AMX products.
-inline __m512 exp2_avx512(__m512 t) {
-  t = _mm512_max_ps(_mm512_set1_ps(-150.f), t);  // max(a, NaN) = NaN
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 q = _mm512_set1_ps(1.5403486e-4f);                // ln2^6 / 6!
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.3333558e-3f));  // ln2^5 / 5!
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 4!
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 3!
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(2.4022651e-1f));  // ln2^2 / 2!
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(6.9314718e-1f));  // ln2
-  q = _mm512_fmadd_ps(q, f, _mm512_set1_ps(1.f));
+using SimdF = __m512;
+#define ATTN_EXT_PS(op) _mm512_##op##_ps
+#else
+using SimdF = __m256;
+#define ATTN_EXT_PS(op) _mm256_##op##_ps
+#endif
+template <>
+inline Vectorized<float> exp2_poly<float>(const Vectorized<float>& x) {
+  // clamped below (max(a, NaN) = NaN): vscalefps reaches 0 from -150, the exponent bits stop at -126
+#if defined(CPU_CAPABILITY_AVX512)
+  const SimdF t = _mm512_max_ps(_mm512_set1_ps(-150.f), SimdF(x));
+  const SimdF n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const SimdF under = _mm256_cmp_ps(SimdF(x), _mm256_set1_ps(-126.f), _CMP_LT_OQ);
+  const SimdF t = _mm256_max_ps(_mm256_set1_ps(-126.f), SimdF(x));
+  const SimdF n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+  const SimdF f = ATTN_EXT_PS(sub)(t, n);
+  SimdF q = ATTN_EXT_PS(set1)(1.5403486e-4f);                   // ln2^6 / 6!
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(1.3333558e-3f));  // ln2^5 / 5!
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(9.6181291e-3f));  // ln2^4 / 4!
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(5.5504109e-2f));  // ln2^3 / 3!
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(2.4022651e-1f));  // ln2^2 / 2!
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(6.9314718e-1f));  // ln2
+  q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(1.f));
+#if defined(CPU_CAPABILITY_AVX512)
   return _mm512_scalef_ps(q, n);
-}
-#endif
-
-#if defined(CPU_CAPABILITY_AVX2)
-// 2^t for 8 floats, as exp2_avx512 but without vscalefps: 2^n is built in the
-// exponent bits, so t is clamped at -126 (the smallest normal) and anything
-// below it (-inf included) gives exactly 0. NaN stays NaN.
-inline __m256 exp2_avx2(__m256 t) {
-  const __m256 under = _mm256_cmp_ps(t, _mm256_set1_ps(-126.f), _CMP_LT_OQ);
-  t = _mm256_max_ps(_mm256_set1_ps(-126.f), t);  // max(a, NaN) = NaN
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
-  __m256 q = _mm256_set1_ps(1.5403486e-4f);
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.3333558e-3f));
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(9.6181291e-3f));
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(5.5504109e-2f));
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(2.4022651e-1f));
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(6.9314718e-1f));
-  q = _mm256_fmadd_ps(q, f, _mm256_set1_ps(1.f));
+#else
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(pow2n)));
+#endif
 }
-
-inline float hsum_avx2(__m256 x) {
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+template <>
+inline Vectorized<float> fast_max<float>(const Vectorized<float>& x, const Vectorized<float>& acc) {
+  return ATTN_EXT_PS(max)(SimdF(x), SimdF(acc));
 }
+#undef ATTN_EXT_PS
 #endif
 
-// s = exp(s * mul - shift); returns the sum. -inf entries become 0.
+// The largest of s[0, n); four chains hide the max instruction's latency.
+template <typename T>
+inline T row_max(const T* s, int64_t n) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t VS = Vec::size();
+  Vec m0(-std::numeric_limits<T>::infinity()), m1 = m0, m2 = m0, m3 = m0;
+  int64_t j = 0;
+  for (; j + 4 * VS <= n; j += 4 * VS) {
+    m0 = fast_max(Vec::loadu(s + j), m0);
+    m1 = fast_max(Vec::loadu(s + j + VS), m1);
+    m2 = fast_max(Vec::loadu(s + j + 2 * VS), m2);
+    m3 = fast_max(Vec::loadu(s + j + 3 * VS), m3);
+  }
+  for (; j < n; j += VS) m0 = fast_max(Vec::loadu(s + j), m0);
+  return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return fast_max(a, b); },
+                                    fast_max(fast_max(m0, m1), fast_max(m2, m3)));
+}
+
+// s = exp(s * mul - shift); returns the sum. -inf entries become 0. Two chains.
 template <typename T>
 inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float>) {
-    constexpr float kLog2e = 1.4426950408889634f;
-    const __m512 a = _mm512_set1_ps(mul * kLog2e), c = _mm512_set1_ps(shift * kLog2e);
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0;
-    int64_t j = 0;
-    for (; j + 32 <= n; j += 32) {
-      const __m512 e0 = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, c));
-      const __m512 e1 = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j + 16), a, c));
-      _mm512_storeu_ps(s + j, e0);
-      _mm512_storeu_ps(s + j + 16, e1);
-      acc0 = _mm512_add_ps(acc0, e0);
-      acc1 = _mm512_add_ps(acc1, e1);
-    }
-    for (; j < n; j += 16) {
-      const __m512 e = exp2_avx512(_mm512_fmsub_ps(_mm512_loadu_ps(s + j), a, c));
-      _mm512_storeu_ps(s + j, e);
-      acc0 = _mm512_add_ps(acc0, e);
-    }
-    return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<T, float>) {
-    constexpr float kLog2e = 1.4426950408889634f;
-    const __m256 a = _mm256_set1_ps(mul * kLog2e), c = _mm256_set1_ps(shift * kLog2e);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-      const __m256 e0 = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, c));
-      const __m256 e1 = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j + 8), a, c));
-      _mm256_storeu_ps(s + j, e0);
-      _mm256_storeu_ps(s + j + 8, e1);
-      acc0 = _mm256_add_ps(acc0, e0);
-      acc1 = _mm256_add_ps(acc1, e1);
-    }
-    for (; j < n; j += 8) {
-      const __m256 e = exp2_avx2(_mm256_fmsub_ps(_mm256_loadu_ps(s + j), a, c));
-      _mm256_storeu_ps(s + j, e);
-      acc0 = _mm256_add_ps(acc0, e);
-    }
-    return hsum_avx2(_mm256_add_ps(acc0, acc1));
-  }
-#endif
   using Vec = Vectorized<T>;
-  const Vec vshift(shift), vmul(mul);
-  Vec acc(T(0));
-  for (int64_t j = 0; j < n; j += Vec::size()) {
-    const Vec e = vexp(at::vec::fmsub(Vec::loadu(s + j), vmul, vshift));
-    e.store(s + j);
-    acc = acc + e;
+  constexpr int64_t VS = Vec::size();
+  const T log2e = T(1.4426950408889634);
+  const Vec a(mul * log2e), c(shift * log2e);
+  Vec acc0(T(0)), acc1(T(0));
+  int64_t j = 0;
+  for (; j + 2 * VS <= n; j += 2 * VS) {
+    const Vec e0 = exp2_poly(at::vec::fmsub(Vec::loadu(s + j), a, c));
+    const Vec e1 = exp2_poly(at::vec::fmsub(Vec::loadu(s + j + VS), a, c));
+    e0.store(s + j);
+    e1.store(s + j + VS);
+    acc0 = acc0 + e0;
+    acc1 = acc1 + e1;
   }
-  return hsum(acc);
+  for (; j < n; j += VS) {
+    const Vec e = exp2_poly(at::vec::fmsub(Vec::loadu(s + j), a, c));
+    e.store(s + j);
+    acc0 = acc0 + e;
+  }
+  return hsum(acc0 + acc1);
 }
 
 template <typename T>

@@ -5,16 +5,18 @@
 // before including it; every symbol lands in attn_ext::cpu::ATTN_EXT_KERNEL_NS,
 // which is CPU_CAPABILITY unless the unit names another (the amx unit).
 //
-// Method (FlashAttention-2 on the CPU): the queries are cut into blocks of
-// rows and the keys into tiles (see Tiles below); one forward task is one
-// (batch, head, query block). For each key block the task computes the score
-// tile S = (scale Q) K^T with a register-blocked at::vec micro-kernel, masks
-// it, updates the running row max and row sum (online softmax) and adds P V
-// into an output tile kept in the accumulation type. No L x S buffer exists.
-// The backward recomputes P = exp(S - lse) tile by tile, one task per
-// (batch, key/value head), and accumulates dQ, dK, dV in the accumulation
-// type. float16/bfloat16 tiles are converted to float32 once per tile, so the
-// half types run at float32 speed.
+// Method (FlashAttention-2 on the CPU): an ISA-neutral driver over a small
+// products class. The queries are cut into blocks of rows and the keys into
+// blocks (see BlockSizes below); one forward task is one (batch, head, query
+// block). For each key block the products class computes the scores S, the
+// driver masks them and updates the running row max and row sum (online
+// softmax), and the products class adds P V into an output tile kept in the
+// accumulation type. No L x S buffer exists. The backward recomputes
+// P = exp(S - lse) tile by tile, one task per (batch, key/value head, chunk of
+// key blocks), and accumulates dQ, dK, dV in the accumulation type.
+// VecForwardProducts / VecBackwardProducts (below) compute with at::vec in
+// float32 (float64 for float64), converting float16/bfloat16 rows a vector at
+// a time; the amx unit adds bfloat16 products on AMX tiles.
 #pragma once
 
 #ifndef CPU_CAPABILITY
@@ -67,7 +69,7 @@ constexpr int kGemmVecs = 2;
 // 512 KiB: 256 keys at head dim 64). 64-row query blocks keep the causal
 // diagonal's masked part small. The backward keeps more per key block (K, K^T,
 // V^T, P, dS and the dK, dV sums): 64 x 256, halved to 128 keys likewise.
-struct Tiles {
+struct BlockSizes {
   int64_t q;   // query rows per tile
   int64_t kv;  // keys per tile
 };
@@ -81,18 +83,18 @@ inline int64_t l2_cache_bytes() {
   return bytes;
 }
 
-inline Tiles forward_tiles(int64_t E, int64_t Ev) {
+inline BlockSizes forward_blocks(int64_t E, int64_t Ev) {
   constexpr int64_t q = 64;
   int64_t kv = 512;
   while (kv > 128 && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
-  return Tiles{q, kv};
+  return BlockSizes{q, kv};
 }
 
-inline Tiles backward_tiles(int64_t E, int64_t Ev) {
+inline BlockSizes backward_blocks(int64_t E, int64_t Ev) {
   constexpr int64_t q = 64;
   int64_t kv = 256;
   while (kv > 128 && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
-  return Tiles{q, kv};
+  return BlockSizes{q, kv};
 }
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -591,7 +593,7 @@ void forward_driver(const AttnParams& p) {
 
   const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, Ev = p.Ev;
   const int64_t group = Hq / p.Hkv;
-  const Tiles tiles = forward_tiles(p.E, p.Ev);
+  const BlockSizes tiles = forward_blocks(p.E, p.Ev);
   // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
   const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
   const int64_t n_qblocks = ceil_div(L, q_block);
@@ -808,7 +810,7 @@ void backward_driver(const AttnBwdParams& p) {
 
   const int64_t B = p.B, Hq = p.Hq, Hkv = p.Hkv, L = p.L, S = p.S, E = p.E, Ev = p.Ev;
   const int64_t group = Hq / Hkv;
-  const Tiles tiles = backward_tiles(E, Ev);
+  const BlockSizes tiles = backward_blocks(E, Ev);
   const int64_t q_block = tiles.q;
   const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
   const int64_t key_blocks = ceil_div(S, kv_block);

@@ -311,3 +311,28 @@ def test_forward_matches_torch_sdpa_directly(device, dtype, variant):
     bound = (ERR_FACTOR + 1) * torch_err + FLOOR[dtype]
     err = rel_err(out, expected)
     assert err <= bound, f"rel err vs torch SDPA {err:.3e} > {bound:.3e} (torch vs ref {torch_err:.3e})"
+
+
+@pytest.mark.parametrize("where", ["one_key", "one_query_row"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
+                         ids=["float64", "float32", "bfloat16", "float16"])
+def test_nan_input_gives_nan_rows_as_torch(device, dtype, where):
+    """A NaN in the input is not hidden: the rows whose scores it reaches are NaN in the
+    output and the log-sum-exp (as in torch SDPA), and the other rows and heads stay finite."""
+    import attn_ext
+
+    q, k, v = make_qkv(1, 2, 2, 70, 40, 32, 16, dtype, device, seed=8)
+    if where == "one_key":
+        k[0, 0, 5, 3] = float("nan")  # every query row of head 0 scores key 5
+        nan_rows = torch.zeros(2, 70, dtype=torch.bool, device=device)
+        nan_rows[0] = True
+    else:
+        q[0, 0, 9, 3] = float("nan")  # only row 9 of head 0: all its scores are NaN
+        nan_rows = torch.zeros(2, 70, dtype=torch.bool, device=device)
+        nan_rows[0, 9] = True
+    out, lse = attn_ext.scaled_dot_product_attention(q, k, v, return_lse=True)
+    assert torch.equal(out[0].isnan().any(-1), nan_rows)
+    assert torch.equal(lse[0].isnan(), nan_rows)
+    assert out[0][~nan_rows].isfinite().all() and lse[0][~nan_rows].isfinite().all()
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert torch.equal(want[0].isnan().any(-1), nan_rows)  # the same rows as torch's

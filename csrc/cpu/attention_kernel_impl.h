@@ -206,9 +206,10 @@ inline T hsum(const Vectorized<T>& x) {
 // exponent bits on AVX2, so there t < -126 gives exactly 0). -inf gives 0 and
 // NaN stays NaN. About half the instructions of at::vec's exp_u20, which
 // matters: the softmax's exponentials cost as much as the AMX products.
-// fast_max skips a NaN in x (the row max then ignores it; the NaN still
-// reaches the output through its exponential) and so avoids at::vec::maximum's
-// NaN blend. Elsewhere (DEFAULT, float64): at::vec's exp and maximum.
+// fast_max skips a NaN in x: the row max ignores NaN scores, which still reach
+// the output through their exponentials (and a row of nothing but NaN is caught
+// by the driver). Elsewhere (DEFAULT, float64): at::vec's exp, and a compare
+// and blend for the maximum.
 template <typename T>
 inline Vectorized<T> exp2_poly(const Vectorized<T>& t) {
   const Vectorized<T> x = t * Vectorized<T>(T(0.6931471805599453));
@@ -217,7 +218,7 @@ inline Vectorized<T> exp2_poly(const Vectorized<T>& t) {
 }
 template <typename T>
 inline Vectorized<T> fast_max(const Vectorized<T>& x, const Vectorized<T>& acc) {
-  return at::vec::maximum(x, acc);
+  return Vectorized<T>::blendv(acc, x, x > acc);  // a NaN x compares false: acc stays
 }
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -639,7 +640,8 @@ void forward_driver(const AttnParams& p) {
           const T f = fold_scale(p, s, np, unscaled);
           mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
           const T m_new = std::max(row_m[r], row_max(s, np) * f);
-          if (m_new == kNegInf) {  // no visible key yet in this row
+          if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
+            if (std::any_of(s, s + n, [](T x) { return std::isnan(x); })) row_l[r] = std::numeric_limits<T>::quiet_NaN();
             std::fill(s, s + np, T(0));
             products.take_p_row(r, s, n);
             continue;
@@ -661,15 +663,16 @@ void forward_driver(const AttnParams& p) {
 
       T* lse_bh = lse + (b * Hq + h) * L;
       for (int64_t r = 0; r < m; ++r) {
-        // l == 0 only when the row saw no key: output 0, log-sum-exp -inf.
+        // l == 0 only when the row saw no key: output 0, log-sum-exp -inf. A NaN
+        // score makes l NaN: output and log-sum-exp NaN, as in PyTorch.
         const T l = row_l[r];
-        lse_bh[i0 + r] = l > T(0) ? row_m[r] + std::log(l) : kNegInf;
+        lse_bh[i0 + r] = l > T(0) ? row_m[r] + std::log(l) : (std::isnan(l) ? l : kNegInf);
       }
       if (!write_probs) {
         scalar_t* o_bh = out + b * p.o_stride[0] + h * p.o_stride[1];
         for (int64_t r = 0; r < m; ++r) {
           const T l = row_l[r];
-          const T inv = l > T(0) ? drop.keep_scale / l : T(0);
+          const T inv = l > T(0) ? drop.keep_scale / l : (std::isnan(l) ? l : T(0));
           store_row(o_bh + (i0 + r) * p.o_stride[2], p.o_stride[3], ot.data() + r * ldo, Ev, inv);
         }
         continue;

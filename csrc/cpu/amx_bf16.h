@@ -135,7 +135,6 @@ inline void configure_tiles() {
 // Returns the tile state to init (tilerelease); call at the end of the chunk.
 inline void release_tiles() { _tile_release(); }
 
-inline constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // ---------------------------------------------------------------------------------------------
 // The product.

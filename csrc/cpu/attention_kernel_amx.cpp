@@ -24,8 +24,9 @@ void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
 
 // The forward's products on AMX tiles (VecForwardProducts' interface). Q is
 // kept as bfloat16 rows (the A operand), unscaled: the driver applies the
-// scale to the float32 scores (unscaled()); K^T and V of a (batch, kv head) are packed once into VNNI panels, one
-// per key block, and kept while they fit. P is rounded to bfloat16 for P V.
+// scale to the float32 scores (unscaled()). K^T and V of a (batch, kv head)
+// are packed once into VNNI panels, one per key block, and kept while they fit
+// (PanelCache). Each row of P is rounded to bfloat16 for P V.
 class AmxForwardProducts {
  public:
   using T = float;
@@ -36,11 +37,10 @@ class AmxForwardProducts {
 
   AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
       : p_(p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
-        k_panel_(Ep_ / 2 * 2 * kv_block), v_panel_(kv_block / 2 * 2 * Evp_),
-        q_(static_cast<const Bf16*>(p.q)), k_(static_cast<const Bf16*>(p.k)), v_(static_cast<const Bf16*>(p.v)) {
-    const int64_t blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
-    cache_ = (k_panel_ + v_panel_) * blocks * 2 <= kKeyCacheBytes;
-    const int64_t slots = cache_ ? blocks : 1;
+        k_panel_(Ep_ / 2 * 2 * kv_block), v_panel_(kv_block / 2 * 2 * Evp_) {
+    cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
+    cache_.on = (k_panel_ + v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
+    const int64_t slots = cache_.on ? cache_.blocks : 1;
     qa_.resize(q_block * Ep_);
     pa_.resize(q_block * kv_block);
     kv_.resize(k_panel_ * slots);
@@ -52,7 +52,7 @@ class AmxForwardProducts {
   int64_t out_ld() const { return Evp_; }
 
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const Bf16* q_rows = q_ + b * p_.q_stride[0] + h * p_.q_stride[1] + i0 * p_.q_stride[2];
+    const Bf16* q_rows = row_at<Bf16>(p_.q, p_.q_stride, b, h, i0);
     m_ = m;
     mp_ = round_up(m, 16);
     amx::copy_rows_bf16(qa_.data(), Ep_, bits(q_rows), p_.q_stride[2], m, E_, Ep_);
@@ -60,15 +60,13 @@ class AmxForwardProducts {
   }
 
   void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const int64_t blk = j0 / kv_block_;
-    bind(b, hk);
-    uint16_t* kv = kv_.data() + (cache_ ? blk : 0) * k_panel_;
-    if (!cache_ || !k_packed_[blk]) {
-      const Bf16* k_tile = k_ + b * p_.k_stride[0] + hk * p_.k_stride[1] + j0 * p_.k_stride[2];
+    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    uint16_t* kv = kv_.data() + slot * k_panel_;
+    if (!cache_.packed(cache_.k, slot)) {
       // The whole block, whatever part of it this query block sees (the panel is reused).
-      const int64_t keys = std::min(kv_block_, p_.S - j0);
-      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_.k_stride[2], keys, E_, Ep_, kv_block_);
-      if (cache_) k_packed_[blk] = true;
+      const Bf16* k_tile = row_at<Bf16>(p_.k, p_.k_stride, b, hk, j0);
+      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_.k_stride[2], keys_in(j0), E_, Ep_, kv_block_);
+      cache_.mark(cache_.k, slot);
     }
     amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
   }
@@ -80,39 +78,25 @@ class AmxForwardProducts {
   }
 
   void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const int64_t blk = j0 / kv_block_;
     const int64_t n32 = round_up(n, 32);
-    bind(b, hk);
-    uint16_t* vv = vv_.data() + (cache_ ? blk : 0) * v_panel_;
-    if (!cache_ || !v_packed_[blk]) {
-      const Bf16* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
-      const int64_t keys = std::min(kv_block_, p_.S - j0);
-      amx::pack_vnni_from_rows(vv, bits(v_tile), p_.v_stride[2], keys, p_.Ev, kv_block_, Evp_);
-      if (cache_) v_packed_[blk] = true;
+    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    uint16_t* vv = vv_.data() + slot * v_panel_;
+    if (!cache_.packed(cache_.v, slot)) {
+      const Bf16* v_tile = row_at<Bf16>(p_.v, p_.v_stride, b, hk, j0);
+      amx::pack_vnni_from_rows(vv, bits(v_tile), p_.v_stride[2], keys_in(j0), p_.Ev, kv_block_, Evp_);
+      cache_.mark(cache_.v, slot);
     }
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
     amx::gemm(mp_, Evp_, n32, pa_.data(), n32, vv, 2 * Evp_, ot, Evp_, true);
   }
 
  private:
-  // Forget the packed panels when the (batch, kv head) changes.
-  void bind(int64_t b, int64_t hk) {
-    const int64_t head = b * p_.Hkv + hk;
-    if (!cache_ || head == head_) return;
-    head_ = head;
-    const int64_t blocks = ceil_div(std::max<int64_t>(p_.S, 1), kv_block_);
-    k_packed_.assign(blocks, false);
-    v_packed_.assign(blocks, false);
-  }
+  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_.S - j0); }
 
   const AttnParams& p_;
   const int64_t E_, Ep_, Evp_, kv_block_, k_panel_, v_panel_;
-  const Bf16* q_;
-  const Bf16* k_;
-  const Bf16* v_;
-  bool cache_ = false;
-  int64_t m_ = 0, mp_ = 0, head_ = -1;
-  std::vector<bool> k_packed_, v_packed_;
+  PanelCache cache_;
+  int64_t m_ = 0, mp_ = 0;
   Buffer<uint16_t> qa_, pa_, kv_, vv_;
 };
 
@@ -152,13 +136,11 @@ class AmxBackwardProducts {
     n_ = n;
     n16_ = round_up(n, 16);
     n32_ = round_up(n, 32);
-    const Bf16* k_tile = static_cast<const Bf16*>(p_.k) + b * p_.k_stride[0] + hk * p_.k_stride[1] +
-                         j0 * p_.k_stride[2];
+    const Bf16* k_tile = row_at<Bf16>(p_.k, p_.k_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_.k_stride[2], n, E_, Ep32_, kv_block_);
     amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_.k_stride[2], n, E_, kv_block_, Ep16_);
     if (from_probs_) return;
-    const Bf16* v_tile = static_cast<const Bf16*>(p_.v) + b * p_.v_stride[0] + hk * p_.v_stride[1] +
-                         j0 * p_.v_stride[2];
+    const Bf16* v_tile = row_at<Bf16>(p_.v, p_.v_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_.v_stride[2], n, Ev_, Evp32_, kv_block_);
   }
 
@@ -166,14 +148,12 @@ class AmxBackwardProducts {
     m_ = m;
     m16_ = round_up(m, 16);
     m32_ = round_up(m, 32);
-    const Bf16* q_rows = static_cast<const Bf16*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] +
-                         i0 * p_.q_stride[2];
+    const Bf16* q_rows = row_at<Bf16>(p_.q, p_.q_stride, b, h, i0);
     amx::copy_rows_bf16(q_a_.data(), Ep32_, bits(q_rows), p_.q_stride[2], m, E_, Ep32_);
     zero_rows(q_a_.data(), Ep32_, m, m16_);
     amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_.q_stride[2], m, E_, m32_, Ep16_);
     if (from_probs_) return;
-    const Bf16* do_rows = static_cast<const Bf16*>(p_.dout) + b * p_.do_stride[0] + h * p_.do_stride[1] +
-                          i0 * p_.do_stride[2];
+    const Bf16* do_rows = row_at<Bf16>(p_.dout, p_.do_stride, b, h, i0);
     amx::copy_rows_bf16(do_a_.data(), Evp32_, bits(do_rows), p_.do_stride[2], m, Ev_, Evp32_);
     zero_rows(do_a_.data(), Evp32_, m, m16_);
     amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_.do_stride[2], m, Ev_, m32_, Evp16_);

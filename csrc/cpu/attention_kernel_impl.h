@@ -99,6 +99,36 @@ inline BlockSizes backward_blocks(int64_t E, int64_t Ev) {
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// Row i of head h of batch b of a (B, H, rows, cols) tensor read through its strides.
+template <typename T>
+inline const T* row_at(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
+  return static_cast<const T*>(base) + b * stride[0] + h * stride[1] + i * stride[2];
+}
+
+// The packed K^T / V panels a thread keeps of one (batch, kv head), one slot per
+// key block, while they fit: slot() says where block blk goes and forgets the
+// panels when the head changes; k / v say which slots hold packed panels.
+// Uncached (too large), every block uses slot 0 and is packed each time.
+struct PanelCache {
+  bool on = false;
+  int64_t blocks = 0, head = -1;
+  std::vector<bool> k, v;
+
+  int64_t slot(int64_t new_head, int64_t blk) {
+    if (!on) return 0;
+    if (new_head != head) {
+      head = new_head;
+      k.assign(blocks, false);
+      v.assign(blocks, false);
+    }
+    return blk;
+  }
+  bool packed(const std::vector<bool>& which, int64_t slot) const { return on && which[slot]; }
+  void mark(std::vector<bool>& which, int64_t slot) {
+    if (on) which[slot] = true;
+  }
+};
+
 // Tile buffers start on a cache line (an AMX tile row is one line when its width is).
 template <typename T>
 struct CacheLineAllocator {
@@ -200,22 +230,25 @@ inline T hsum(const Vectorized<T>& x) {
   return at::vec::vec_reduce_all<T>([](const auto& a, const auto& b) { return a + b; }, x);
 }
 
-// 2^t, and a maximum for the row max, per ISA. On AVX-512 and AVX2 (float):
-// t = n + f with n an integer and |f| <= 1/2, 2^f by its degree-6 Taylor
-// polynomial (relative error < 2e-7), times 2^n (vscalefps on AVX-512; the
-// exponent bits on AVX2, so there t < -126 gives exactly 0). -inf gives 0 and
-// NaN stays NaN. About half the instructions of at::vec's exp_u20, which
-// matters: the softmax's exponentials cost as much as the AMX products.
-// fast_max skips a NaN in x: the row max ignores NaN scores, which still reach
-// the output through their exponentials (and a row of nothing but NaN is caught
-// by the driver). Elsewhere (DEFAULT, float64): at::vec's exp, and a compare
-// and blend for the maximum.
+// The exponential of the softmax, and a maximum for the row max, per ISA.
+// FastExp<T>::apply(x) is e^x, or 2^x where base2 (the caller then scales its
+// argument by log2(e)). On AVX-512 and AVX2 (float) it is 2^x: x = n + f with n
+// an integer and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative
+// error < 2e-7), times 2^n (vscalefps on AVX-512; the exponent bits on AVX2, so
+// there x < -126 gives exactly 0). -inf gives 0 and NaN stays NaN. About half
+// the instructions of at::vec's exp_u20, which matters: the softmax's
+// exponentials cost as much as the AMX products. Elsewhere (DEFAULT, float64)
+// at::vec's exp. fast_max skips a NaN in x: the row max ignores NaN scores,
+// which still reach the output through their exponentials (and a row of
+// nothing but NaN is caught by the driver).
 template <typename T>
-inline Vectorized<T> exp2_poly(const Vectorized<T>& t) {
-  const Vectorized<T> x = t * Vectorized<T>(T(0.6931471805599453));
-  if constexpr (std::is_same_v<T, float>) return x.exp_u20();
-  return x.exp();
-}
+struct FastExp {
+  static constexpr bool base2 = false;
+  static Vectorized<T> apply(const Vectorized<T>& x) {
+    if constexpr (std::is_same_v<T, float>) return x.exp_u20();
+    return x.exp();
+  }
+};
 template <typename T>
 inline Vectorized<T> fast_max(const Vectorized<T>& x, const Vectorized<T>& acc) {
   return Vectorized<T>::blendv(acc, x, x > acc);  // a NaN x compares false: acc stays
@@ -230,7 +263,9 @@ using SimdF = __m256;
 #define ATTN_EXT_PS(op) _mm256_##op##_ps
 #endif
 template <>
-inline Vectorized<float> exp2_poly<float>(const Vectorized<float>& x) {
+struct FastExp<float> {
+  static constexpr bool base2 = true;
+  static Vectorized<float> apply(const Vectorized<float>& x) {
   // clamped below (max(a, NaN) = NaN): vscalefps reaches 0 from -150, the exponent bits stop at -126
 #if defined(CPU_CAPABILITY_AVX512)
   const SimdF t = _mm512_max_ps(_mm512_set1_ps(-150.f), SimdF(x));
@@ -254,7 +289,8 @@ inline Vectorized<float> exp2_poly<float>(const Vectorized<float>& x) {
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(pow2n)));
 #endif
-}
+  }
+};
 template <>
 inline Vectorized<float> fast_max<float>(const Vectorized<float>& x, const Vectorized<float>& acc) {
   return ATTN_EXT_PS(max)(SimdF(x), SimdF(acc));
@@ -285,20 +321,21 @@ template <typename T>
 inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
-  const T log2e = T(1.4426950408889634);
-  const Vec a(mul * log2e), c(shift * log2e);
+  using Exp = FastExp<T>;
+  const T base = Exp::base2 ? T(1.4426950408889634) : T(1);  // log2(e) for 2^x
+  const Vec a(mul * base), c(shift * base);
   Vec acc0(T(0)), acc1(T(0));
   int64_t j = 0;
   for (; j + 2 * VS <= n; j += 2 * VS) {
-    const Vec e0 = exp2_poly(at::vec::fmsub(Vec::loadu(s + j), a, c));
-    const Vec e1 = exp2_poly(at::vec::fmsub(Vec::loadu(s + j + VS), a, c));
+    const Vec e0 = Exp::apply(at::vec::fmsub(Vec::loadu(s + j), a, c));
+    const Vec e1 = Exp::apply(at::vec::fmsub(Vec::loadu(s + j + VS), a, c));
     e0.store(s + j);
     e1.store(s + j + VS);
     acc0 = acc0 + e0;
     acc1 = acc1 + e1;
   }
   for (; j < n; j += VS) {
-    const Vec e = exp2_poly(at::vec::fmsub(Vec::loadu(s + j), a, c));
+    const Vec e = Exp::apply(at::vec::fmsub(Vec::loadu(s + j), a, c));
     e.store(s + j);
     acc0 = acc0 + e;
   }
@@ -481,14 +518,14 @@ class VecForwardProducts {
 
   VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
       : p_(p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
-        blocks_(ceil_div(std::max<int64_t>(p.S, 1), kv_block)), q_(static_cast<const scalar_t*>(p.q)),
-        k_(static_cast<const scalar_t*>(p.k)), v_(static_cast<const scalar_t*>(p.v)),
+        blocks_(ceil_div(std::max<int64_t>(p.S, 1), kv_block)),
         v_direct_(p.probs == nullptr && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && p.Ev % kCols == 0) {
     const int64_t E1 = std::max<int64_t>(E_, 1);
     const bool pack_v = !v_direct_ && p.probs == nullptr;
     const int64_t panels = E1 * kv_block + (pack_v ? kv_block * Evp_ : 0);
-    cache_ = panels * blocks_ * int64_t(sizeof(T)) <= kKeyCacheBytes;
-    const int64_t slots = cache_ ? blocks_ : 1;
+    cache_.on = panels * blocks_ * int64_t(sizeof(T)) <= kKeyCacheBytes;
+    cache_.blocks = blocks_;
+    const int64_t slots = cache_.on ? blocks_ : 1;
     qt_.resize(q_block * E1);
     kt_.resize(E1 * kv_block * slots);
     krow_.resize(E1);
@@ -499,25 +536,24 @@ class VecForwardProducts {
 
   // Q rows [i0, i0 + m) of head h of batch b, times the scale.
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const scalar_t* q_bh = q_ + b * p_.q_stride[0] + h * p_.q_stride[1];
+    const scalar_t* q_rows = row_at<scalar_t>(p_.q, p_.q_stride, b, h, i0);
     m_ = m;
     for (int64_t r = 0; r < m; ++r)
-      load_row(qt_.data() + r * E_, q_bh + (i0 + r) * p_.q_stride[2], E_, p_.q_stride[3], static_cast<T>(p_.scale),
-               E_);
+      load_row(qt_.data() + r * E_, q_rows + r * p_.q_stride[2], E_, p_.q_stride[3], static_cast<T>(p_.scale), E_);
   }
 
   // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk.
   void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const scalar_t* k_tile = k_ + b * p_.k_stride[0] + hk * p_.k_stride[1] + j0 * p_.k_stride[2];
+    const scalar_t* k_tile = row_at<scalar_t>(p_.k, p_.k_stride, b, hk, j0);
     if (m_ <= kDirectRows) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, k_tile);
       return;
     }
-    const int64_t slot = bind(b, hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
     T* kt = kt_.data() + slot * E_ * kv_block_;
-    if (!cache_ || !k_packed_[slot]) {  // the whole block: a cached panel serves every query block
+    if (!cache_.packed(cache_.k, slot)) {  // the whole block: a cached panel serves every query block
       pack_transposed(kt, kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], keys_in(j0), E_);
-      if (cache_) k_packed_[slot] = true;
+      cache_.mark(cache_.k, slot);
     }
     gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
   }
@@ -527,34 +563,22 @@ class VecForwardProducts {
 
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const scalar_t* v_tile = v_ + b * p_.v_stride[0] + hk * p_.v_stride[1] + j0 * p_.v_stride[2];
+    const scalar_t* v_tile = row_at<scalar_t>(p_.v, p_.v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_.v_stride[2], true, ot, Evp_);
     }
-    const int64_t slot = bind(b, hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
     T* vt = vt_.data() + slot * kv_block_ * Evp_;
-    if (!cache_ || !v_packed_[slot]) {
+    if (!cache_.packed(cache_.v, slot)) {
       for (int64_t j = 0; j < keys_in(j0); ++j)
         load_row(vt + j * Evp_, v_tile + j * p_.v_stride[2], Ev_, p_.v_stride[3], T(1), Evp_);
-      if (cache_) v_packed_[slot] = true;
+      cache_.mark(cache_.v, slot);
     }
     gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vt, Evp_, true, ot, Evp_);
   }
 
  private:
   int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_.S - j0); }
-
-  // The panel slot of key block blk; forgets the cached panels when the (batch, kv head) changes.
-  int64_t bind(int64_t b, int64_t hk, int64_t blk) {
-    if (!cache_) return 0;
-    const int64_t head = b * p_.Hkv + hk;
-    if (head != cached_head_) {
-      cached_head_ = head;
-      k_packed_.assign(blocks_, false);
-      v_packed_.assign(blocks_, false);
-    }
-    return blk;
-  }
 
   void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
     for (int64_t j = 0; j < n; ++j) {
@@ -570,14 +594,9 @@ class VecForwardProducts {
 
   const AttnParams& p_;
   const int64_t E_, Ev_, Evp_, kv_block_, blocks_;
-  const scalar_t* q_;
-  const scalar_t* k_;
-  const scalar_t* v_;
   const bool v_direct_;
-  bool cache_ = false;
+  PanelCache cache_;
   int64_t m_ = 0;
-  int64_t cached_head_ = -1;
-  std::vector<bool> k_packed_, v_packed_;
   std::vector<T> qt_, kt_, krow_, vt_;
 };
 
@@ -641,7 +660,8 @@ void forward_driver(const AttnParams& p) {
           mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
           const T m_new = std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
-            if (std::any_of(s, s + n, [](T x) { return std::isnan(x); })) row_l[r] = std::numeric_limits<T>::quiet_NaN();
+            if (std::any_of(s, s + n, [](T x) { return std::isnan(x); }))
+              row_l[r] = std::numeric_limits<T>::quiet_NaN();  // the NaN reaches lse and the output
             std::fill(s, s + np, T(0));
             products.take_p_row(r, s, n);
             continue;
@@ -739,27 +759,23 @@ class VecBackwardProducts {
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
     n_ = n;
     np_ = round_up(n, kCols);
-    const auto* k_tile = static_cast<const scalar_t*>(p_.k) + b * p_.k_stride[0] + hk * p_.k_stride[1] +
-                         j0 * p_.k_stride[2];
+    const scalar_t* k_tile = row_at<scalar_t>(p_.k, p_.k_stride, b, hk, j0);
     pack_transposed(kt_.data(), np_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
     for (int64_t j = 0; j < n; ++j)
       load_row(kn_.data() + j * Ep_, k_tile + j * p_.k_stride[2], E_, p_.k_stride[3], T(1), Ep_);
     if (from_probs_) return;
-    const auto* v_tile = static_cast<const scalar_t*>(p_.v) + b * p_.v_stride[0] + hk * p_.v_stride[1] +
-                         j0 * p_.v_stride[2];
+    const scalar_t* v_tile = row_at<scalar_t>(p_.v, p_.v_stride, b, hk, j0);
     pack_transposed(vt_.data(), np_, v_tile, p_.v_stride[2], p_.v_stride[3], n, Ev_);
   }
 
   // Query (and output gradient) rows [i0, i0 + m) of head h.
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
     m_ = m;
-    const auto* q_rows = static_cast<const scalar_t*>(p_.q) + b * p_.q_stride[0] + h * p_.q_stride[1] +
-                         i0 * p_.q_stride[2];
+    const scalar_t* q_rows = row_at<scalar_t>(p_.q, p_.q_stride, b, h, i0);
     for (int64_t r = 0; r < m; ++r)
       load_row(qt_.data() + r * Ep_, q_rows + r * p_.q_stride[2], E_, p_.q_stride[3], scale_, Ep_);
     if (from_probs_) return;
-    const auto* do_rows = static_cast<const scalar_t*>(p_.dout) + b * p_.do_stride[0] + h * p_.do_stride[1] +
-                          i0 * p_.do_stride[2];
+    const scalar_t* do_rows = row_at<scalar_t>(p_.dout, p_.do_stride, b, h, i0);
     for (int64_t r = 0; r < m; ++r)
       load_row(dot_.data() + r * Evp_, do_rows + r * p_.do_stride[2], Ev_, p_.do_stride[3], T(1), Evp_);
   }

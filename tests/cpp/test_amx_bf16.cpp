@@ -18,6 +18,9 @@
 
 namespace {
 
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+
 namespace amx = attn_ext::cpu::amx;
 
 int passed = 0, failed = 0;
@@ -205,7 +208,7 @@ void test_copy_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) 
 // The attention pattern end to end: S = Q K^T with fp32 Q converted + padded and K^T VNNI-packed from
 // K's rows, then O = P^T-style product using the transposing conversion. Ragged sizes everywhere.
 void test_pipeline(int64_t L, int64_t S, int64_t E) {
-  const int64_t Lp = amx::round_up(L, 32), Sp = amx::round_up(S, 32), Ep = amx::round_up(E, 32);
+  const int64_t Lp = round_up(L, 32), Sp = round_up(S, 32), Ep = round_up(E, 32);
   std::vector<float> Q(L * E);
   for (auto& x : Q) x = uniform();
   const std::vector<uint16_t> Kt = random_bf16(S * E);  // K: S x E bf16
@@ -348,13 +351,13 @@ int main(int argc, char** argv) {
   test_gemm(48, 80, 160, false, 1, 5);
   for (int r = 0; r < 40; ++r) {
     const int64_t K = rand_int(1, 200), N = rand_int(1, 200);
-    const int64_t Kp = amx::round_up(K, 32) + 32 * rand_int(0, 1), Np = amx::round_up(N, 16) + 16 * rand_int(0, 1);
+    const int64_t Kp = round_up(K, 32) + 32 * rand_int(0, 1), Np = round_up(N, 16) + 16 * rand_int(0, 1);
     test_pack_vnni_from_rows(K, N, Kp, Np, N + rand_int(0, 9));
     test_pack_vnni_from_transposed(N, K, Kp, Np, K + rand_int(0, 9));
-    const int64_t M = rand_int(1, 100), Kq = amx::round_up(K, 32) + rand_int(0, 40);
+    const int64_t M = rand_int(1, 100), Kq = round_up(K, 32) + rand_int(0, 40);
     test_convert_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
-    test_convert_transposed(M, K, amx::round_up(M, 32) + rand_int(0, 40), K + rand_int(0, 9),
-                            amx::round_up(M, 32) + 48);
+    test_convert_transposed(M, K, round_up(M, 32) + rand_int(0, 40), K + rand_int(0, 9),
+                            round_up(M, 32) + 48);
     test_copy_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
   }
   test_pack_vnni_from_rows(64, 128, 64, 128, 128);  // exact sizes, no padding

@@ -15,7 +15,7 @@ import torch
 from . import _build  # noqa: F401  (loads the operators)
 from .masks import sdpa_mask
 
-__all__ = ["scaled_dot_product_attention", "attention_probs"]
+__all__ = ["scaled_dot_product_attention", "attention_probs", "varlen_attention"]
 
 _CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
@@ -24,33 +24,48 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# The variants' arguments, at the end of every op's argument list (see csrc/ops.cpp):
+# window_left, window_right, softcap, alibi_slopes, sinks.
+_N_VARIANT_ARGS = 5
+
+
+def _grad_sinks(sinks, grad):
+    """The sinks' gradient as autograd wants it: None when there are no sinks."""
+    return None if sinks is None else grad
+
+
 # --- attention_forward -------------------------------------------------------
 
 
 @torch.library.register_fake("attn_ext::attention_forward")
-def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed):
+def _attention_forward_fake(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed,
+                            window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None):
     B, Hq, L, _ = query.shape
+    torch._check(key.shape[0] == B and value.shape[:-1] == key.shape[:-1])
     out = query.new_empty((B, Hq, L, value.shape[-1]))
     lse = query.new_empty((B, Hq, L), dtype=_lse_dtype(query.dtype))
     return out, lse
 
 
 def _attention_forward_setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed = inputs
+    query, key, value, attn_mask = inputs[:4]
+    dropout_seed, alibi_slopes, sinks = inputs[8], inputs[12], inputs[13]
     out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse, attn_mask, dropout_seed)
-    ctx.attrs = (dropout_p, is_causal, causal_offset, scale)
+    ctx.save_for_backward(query, key, value, out, lse, attn_mask, dropout_seed, alibi_slopes, sinks)
+    ctx.attrs = inputs[4:8] + inputs[9:12]  # dropout_p, is_causal, causal_offset, scale, window, softcap
 
 
 def _attention_forward_backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse, attn_mask, dropout_seed = ctx.saved_tensors
-    dropout_p, is_causal, causal_offset, scale = ctx.attrs
+    query, key, value, out, lse, attn_mask, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
+    dropout_p, is_causal, causal_offset, scale, window_left, window_right, softcap = ctx.attrs
     grad_mask_needed = attn_mask is not None and ctx.needs_input_grad[3]
-    grad_query, grad_key, grad_value, grad_mask = torch.ops.attn_ext.attention_backward(
+    grad_query, grad_key, grad_value, grad_mask, grad_sinks = torch.ops.attn_ext.attention_backward(
         grad_out, grad_lse, query, key, value, out, lse, attn_mask,
-        dropout_p, is_causal, causal_offset, scale, dropout_seed, grad_mask_needed,
+        dropout_p, is_causal, causal_offset, scale, dropout_seed,
+        window_left, window_right, softcap, alibi_slopes, sinks, grad_mask_needed,
     )
-    return grad_query, grad_key, grad_value, grad_mask if grad_mask_needed else None, None, None, None, None, None
+    return (grad_query, grad_key, grad_value, grad_mask if grad_mask_needed else None, None, None, None, None, None,
+            None, None, None, None, _grad_sinks(sinks, grad_sinks))
 
 
 torch.library.register_autograd(
@@ -63,16 +78,20 @@ torch.library.register_autograd(
 
 @torch.library.register_fake("attn_ext::attention_backward")
 def _attention_backward_fake(grad_out, grad_lse, query, key, value, out, lse, attn_mask, dropout_p, is_causal,
-                             causal_offset, scale, dropout_seed, compute_grad_mask):
+                             causal_offset, scale, dropout_seed, window_left=None, window_right=None, softcap=None,
+                             alibi_slopes=None, sinks=None, compute_grad_mask=False):
     grad_mask = attn_mask.new_empty(attn_mask.shape) if compute_grad_mask else query.new_empty((0,))
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_mask
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty((0,))
+    return (query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_mask,
+            grad_sinks)
 
 
 # --- attention_probs ---------------------------------------------------------
 
 
 @torch.library.register_fake("attn_ext::attention_probs")
-def _attention_probs_fake(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed):
+def _attention_probs_fake(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed,
+                          window_left=None, window_right=None, softcap=None, alibi_slopes=None, sinks=None):
     B, Hq, L, _ = query.shape
     probs = query.new_empty((B, Hq, L, key.shape[-2]))
     lse = query.new_empty((B, Hq, L), dtype=_lse_dtype(query.dtype))
@@ -80,21 +99,24 @@ def _attention_probs_fake(query, key, attn_mask, dropout_p, is_causal, causal_of
 
 
 def _attention_probs_setup_context(ctx, inputs, output):
-    query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed = inputs
+    query, key, attn_mask = inputs[:3]
+    dropout_seed, alibi_slopes, sinks = inputs[7], inputs[11], inputs[12]
     probs, lse = output
-    ctx.save_for_backward(query, key, probs, lse, attn_mask, dropout_seed)
-    ctx.attrs = (dropout_p, is_causal, causal_offset, scale)
+    ctx.save_for_backward(query, key, probs, lse, attn_mask, dropout_seed, alibi_slopes, sinks)
+    ctx.attrs = inputs[3:7] + inputs[8:11]
 
 
 def _attention_probs_backward(ctx, grad_probs, grad_lse):
-    query, key, probs, lse, attn_mask, dropout_seed = ctx.saved_tensors
-    dropout_p, is_causal, causal_offset, scale = ctx.attrs
+    query, key, probs, lse, attn_mask, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
+    dropout_p, is_causal, causal_offset, scale, window_left, window_right, softcap = ctx.attrs
     grad_mask_needed = attn_mask is not None and ctx.needs_input_grad[2]
-    grad_query, grad_key, grad_mask = torch.ops.attn_ext.attention_probs_backward(
+    grad_query, grad_key, grad_mask, grad_sinks = torch.ops.attn_ext.attention_probs_backward(
         grad_probs, grad_lse, query, key, probs, lse, attn_mask,
-        dropout_p, is_causal, causal_offset, scale, dropout_seed, grad_mask_needed,
+        dropout_p, is_causal, causal_offset, scale, dropout_seed,
+        window_left, window_right, softcap, alibi_slopes, sinks, grad_mask_needed,
     )
-    return grad_query, grad_key, grad_mask if grad_mask_needed else None, None, None, None, None, None
+    return (grad_query, grad_key, grad_mask if grad_mask_needed else None, None, None, None, None, None,
+            None, None, None, None, _grad_sinks(sinks, grad_sinks))
 
 
 torch.library.register_autograd(
@@ -104,20 +126,115 @@ torch.library.register_autograd(
 
 @torch.library.register_fake("attn_ext::attention_probs_backward")
 def _attention_probs_backward_fake(grad_probs, grad_lse, query, key, probs, lse, attn_mask, dropout_p, is_causal,
-                                   causal_offset, scale, dropout_seed, compute_grad_mask):
+                                   causal_offset, scale, dropout_seed, window_left=None, window_right=None,
+                                   softcap=None, alibi_slopes=None, sinks=None, compute_grad_mask=False):
     grad_mask = attn_mask.new_empty(attn_mask.shape) if compute_grad_mask else query.new_empty((0,))
-    return query.new_empty(query.shape), key.new_empty(key.shape), grad_mask
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty((0,))
+    return query.new_empty(query.shape), key.new_empty(key.shape), grad_mask, grad_sinks
+
+
+# --- varlen_forward ----------------------------------------------------------
+
+
+@torch.library.register_fake("attn_ext::varlen_forward")
+def _varlen_forward_fake(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                         is_causal, bottom_right, scale, dropout_seed, window_left=None, window_right=None,
+                         softcap=None, alibi_slopes=None, sinks=None):
+    total_q, Hq, _ = query.shape
+    torch._check(cu_seqlens_q.shape == cu_seqlens_k.shape)
+    out = query.new_empty((total_q, Hq, value.shape[-1]))
+    lse = query.new_empty((total_q, Hq), dtype=_lse_dtype(query.dtype))
+    return out, lse
+
+
+def _varlen_forward_setup_context(ctx, inputs, output):
+    query, key, value, cu_seqlens_q, cu_seqlens_k = inputs[:5]
+    dropout_seed, alibi_slopes, sinks = inputs[11], inputs[15], inputs[16]
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_seed, alibi_slopes, sinks)
+    ctx.attrs = inputs[5:11] + inputs[12:15]
+
+
+def _varlen_forward_backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, dropout_seed, alibi_slopes, sinks = ctx.saved_tensors
+    (max_seqlen_q, max_seqlen_k, dropout_p, is_causal, bottom_right, scale,
+     window_left, window_right, softcap) = ctx.attrs
+    grad_query, grad_key, grad_value, grad_sinks = torch.ops.attn_ext.varlen_backward(
+        grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, is_causal, bottom_right, scale, dropout_seed, window_left, window_right, softcap, alibi_slopes,
+        sinks,
+    )
+    return (grad_query, grad_key, grad_value) + (None,) * 13 + (_grad_sinks(sinks, grad_sinks),)
+
+
+torch.library.register_autograd(
+    "attn_ext::varlen_forward", _varlen_forward_backward, setup_context=_varlen_forward_setup_context
+)
+
+
+@torch.library.register_fake("attn_ext::varlen_backward")
+def _varlen_backward_fake(grad_out, grad_lse, query, key, value, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                          max_seqlen_k, dropout_p, is_causal, bottom_right, scale, dropout_seed, window_left=None,
+                          window_right=None, softcap=None, alibi_slopes=None, sinks=None):
+    grad_sinks = sinks.new_empty(sinks.shape) if sinks is not None else query.new_empty((0,))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), grad_sinks
 
 
 # --- functional API ----------------------------------------------------------
 
 
+def _window_sides(window):
+    """window=(left, right) -> (left, right) as the ops take them (None = unbounded)."""
+    if window is None:
+        return None, None
+    ok = isinstance(window, (tuple, list)) and len(window) == 2 and all(
+        side is None or (isinstance(side, int) and not isinstance(side, bool) and side >= 0) for side in window)
+    if not ok:
+        raise ValueError(f"window must be None or a pair (left, right) of ints >= 0 or None, got {window!r}")
+    return window[0], window[1]
+
+
+def _softcap(softcap):
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (0 < softcap < math.inf):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
+    return float(softcap)
+
+
+def _per_head(t, name, batch_shape, heads, allow_batch):
+    """alibi_slopes / sinks as the ops take them: (H,) or, with allow_batch, (B, H) for the
+    flattened batch (the user gives (H,) or (*batch, H))."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be None or a Tensor, got {type(t).__name__}")
+    if allow_batch and t.dim() == len(batch_shape) + 1 and tuple(t.shape) == tuple(batch_shape) + (heads,):
+        return t.reshape(-1, heads)
+    expected = f"({heads},)" + (f" or {tuple(batch_shape) + (heads,)}" if allow_batch else "")
+    if tuple(t.shape) != (heads,):
+        raise ValueError(f"{name} must have shape {expected} (one value per query head), got {tuple(t.shape)}")
+    return t
+
+
+def _variant_args(window, softcap, alibi_slopes, sinks, batch_shape, heads):
+    """window_left, window_right, softcap, alibi_slopes, sinks, as the ops take them."""
+    left, right = _window_sides(window)
+    if alibi_slopes is not None and isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dtype != torch.float32:
+        raise ValueError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if sinks is not None and isinstance(sinks, torch.Tensor) and not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a floating-point tensor, got {sinks.dtype}")
+    return (left, right, _softcap(softcap), _per_head(alibi_slopes, "alibi_slopes", batch_shape, heads, True),
+            _per_head(sinks, "sinks", batch_shape, heads, False))
+
+
 class _Call:
     """A user's call normalised to the operators' arguments: 4-D (B, H, X, D)
-    tensors, a mask of at most 4 dims, the causal offset, the scale and a
-    dropout seed drawn from torch's generator for the device."""
+    tensors, a mask of at most 4 dims, the causal offset, the scale, a dropout
+    seed drawn from torch's generator for the device, and the variants."""
 
-    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment):
+    def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                 window=None, softcap=None, alibi_slopes=None, sinks=None):
         named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
         for name, t in named:
             if not isinstance(t, torch.Tensor):
@@ -159,13 +276,16 @@ class _Call:
         self.causal_offset = S - L if causal_alignment == "bottom_right" else 0
         self.dropout_p = float(dropout_p)
         self.is_causal = bool(is_causal)
+        self.variants = _variant_args(window, softcap, alibi_slopes, sinks, batch_shape, self.q.shape[1])
         self.dropout_seed = None
         if dropout_p > 0:
             self.dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
 
     def op_args(self):
-        """attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed, as the ops take them."""
-        return self.mask, self.dropout_p, self.is_causal, self.causal_offset, self.scale, self.dropout_seed
+        """attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed and the
+        variants, as the ops take them."""
+        return (self.mask, self.dropout_p, self.is_causal, self.causal_offset, self.scale, self.dropout_seed,
+                *self.variants)
 
     def unflatten(self, t):
         """(B, H, L, X) -> the user's (N, ..., H, L, X), or (N, L, X) for 3-D inputs; works for lse too."""
@@ -185,7 +305,8 @@ def _split_batch(t, has_head_dim):
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, causal_alignment="top_left", return_lse=False):
+                                 enable_gqa=False, *, causal_alignment="top_left", return_lse=False, window=None,
+                                 softcap=None, alibi_slopes=None, sinks=None):
     r"""Scaled dot-product attention computed by attn_ext's fused kernels.
 
     Same signature and meaning as :func:`torch.nn.functional.scaled_dot_product_attention`:
@@ -217,10 +338,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         causal_alignment: "top_left" (key j visible from query i iff j <= i) or
             "bottom_right" (iff j <= i + S - L).
         return_lse: also return the log-sum-exp of the masked, scaled scores.
+        window: ``(left, right)``: query i sees keys ``i + offset - left`` to
+            ``i + offset + right`` (offset 0, or S - L for "bottom_right"); ``None``
+            on a side leaves it unbounded. Key blocks outside the window are skipped:
+            a sliding window costs O(L * window), not O(L * S). Combines with ``is_causal``.
+        softcap: scores become ``softcap * tanh(score / softcap)`` (Gemma 2), before
+            the ALiBi bias and the mask.
+        alibi_slopes: float32 (Hq,) or (N, ..., Hq): adds ``-slope * |i + offset - j|``
+            to the score (no gradient).
+        sinks: (Hq,), any float dtype: a logit per head that joins every row's softmax
+            denominator and takes no value (gpt-oss); gets a gradient. A row with
+            no visible key then gives 0 and lse = sink.
 
     Shape:
         out: (N, ..., Hq, L, Ev) in the query's dtype.
-        lse: (N, ..., Hq, L), float32 (float64 for float64 inputs); -inf for fully masked rows.
+        lse: (N, ..., Hq, L), float32 (float64 for float64 inputs); -inf for fully masked rows
+        (the sink's logit with sinks).
 
     Returns:
         ``out``, or ``(out, lse)`` when ``return_lse``.
@@ -231,14 +364,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         >>> out = attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True)
         >>> out.sum().backward()
     """
-    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                 window, softcap, alibi_slopes, sinks)
     out, lse = torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())
     out, lse = call.unflatten(out), call.unflatten(lse)
     return (out, lse) if return_lse else out
 
 
 def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-                    causal_alignment="top_left"):
+                    causal_alignment="top_left", window=None, softcap=None, alibi_slopes=None, sinks=None):
     r"""The attention probabilities ``softmax(query @ key.T * scale + mask)``, explicitly.
 
     For ``need_weights=True`` and for looking at what a head attends to. The
@@ -255,7 +389,10 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
 
     Shape:
         probs: (N, ..., Hq, L, S) (or (N, L, S)) in the query's dtype; rows
-        with no visible key are 0.
+        with no visible key are 0. With ``sinks`` a row sums to 1 - p_sink.
+
+    The variants (``window``, ``softcap``, ``alibi_slopes``, ``sinks``) mean what
+    they mean for :func:`scaled_dot_product_attention`.
 
     Example::
 
@@ -263,13 +400,15 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
         >>> p = attn_ext.attention_probs(q, k, is_causal=True)
         >>> p.sum(-1)  # all ones
     """
-    call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                 window, softcap, alibi_slopes, sinks)
     probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
     return call.unflatten(probs)
 
 
 def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                        enable_gqa=False, *, causal_alignment="top_left"):
+                        enable_gqa=False, *, causal_alignment="top_left", window=None, softcap=None,
+                        alibi_slopes=None, sinks=None):
     """``(scaled_dot_product_attention(...), attention_probs(...))`` with one dropout draw.
 
     The output comes from the fused kernel and the probabilities from the
@@ -278,7 +417,75 @@ def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     For ``MultiHeadAttention(need_weights=True)``. Arguments as for
     :func:`scaled_dot_product_attention`.
     """
-    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment)
+    call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                 window, softcap, alibi_slopes, sinks)
     out, _ = torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())
     probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
     return call.unflatten(out), call.unflatten(probs)
+
+
+def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q=None, max_seqlen_k=None, *,
+                     dropout_p=0.0, is_causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+                     sinks=None, causal_alignment="top_left", return_lse=False):
+    r"""Attention over a packed batch of sequences of different lengths (FlashAttention's varlen layout).
+
+    Sequence b is query rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` and key/value
+    rows ``cu_seqlens_k[b]:cu_seqlens_k[b + 1]``; its queries see only its keys.
+    One kernel call runs the whole batch: no padding, no per-sequence loop. The
+    result equals :func:`scaled_dot_product_attention` run on each sequence alone
+    (with ``enable_gqa``), to rounding.
+
+    Args:
+        query: (total_q, Hq, E), any strides.
+        key: (total_k, Hkv, E), Hq a multiple of Hkv (grouped-query attention, no copies).
+        value: (total_k, Hkv, Ev).
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 (B + 1,), non-decreasing from 0
+            to total_q / total_k. Empty sequences are allowed. They are read on the
+            host (a device-to-host copy on a GPU).
+        max_seqlen_q, max_seqlen_k: the longest sequences, if known (checked);
+            computed from cu_seqlens when None.
+        dropout_p, is_causal, scale, window, softcap, sinks: as for
+            :func:`scaled_dot_product_attention`; ``causal_alignment="bottom_right"``
+            aligns each sequence's last query with its last key (offset S_b - L_b).
+        alibi_slopes: float32 (Hq,) or (B, Hq) (row b for sequence b).
+        return_lse: also return the log-sum-exp, (total_q, Hq).
+
+    Returns:
+        ``out`` (total_q, Hq, Ev), or ``(out, lse)``.
+
+    Example::
+
+        >>> cu = torch.tensor([0, 5, 12])             # two sequences: 5 and 7 tokens
+        >>> q, k, v = (torch.randn(12, 4, 32) for _ in range(3))
+        >>> out = attn_ext.varlen_attention(q, k, v, cu, cu, is_causal=True)
+    """
+    named = [("query", query), ("key", key), ("value", value), ("cu_seqlens_q", cu_seqlens_q),
+             ("cu_seqlens_k", cu_seqlens_k)]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    for name, t in named[:3]:
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, dim), got shape {tuple(t.shape)}")
+    for name, t in named[3:]:
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32 or int64 tensor (B + 1,), got {t.dtype} of shape "
+                             f"{tuple(t.shape)}")
+    if causal_alignment not in _CAUSAL_ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {_CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if cu_seqlens_q.numel() > 1 else 0
+    if max_seqlen_k is None:
+        max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
+    E = query.shape[-1]
+    scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+    batch = (max(cu_seqlens_q.numel() - 1, 0),)
+    variants = _variant_args(window, softcap, alibi_slopes, sinks, batch, query.shape[1])
+    dropout_seed = None
+    if dropout_p > 0:
+        dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+    out, lse = torch.ops.attn_ext.varlen_forward(
+        query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(dropout_p),
+        bool(is_causal), causal_alignment == "bottom_right", scale, dropout_seed, *variants,
+    )
+    return (out, lse) if return_lse else out

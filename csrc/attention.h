@@ -30,7 +30,7 @@ struct AttnParams {
   const void* k = nullptr;    // (B, Hkv, S, E)
   const void* v = nullptr;    // (B, Hkv, S, Ev)
   void* out = nullptr;        // (B, Hq, L, Ev)
-  void* lse = nullptr;        // (B, Hq, L) contiguous; float32, or float64 for float64 inputs
+  void* lse = nullptr;        // (B, Hq, L) or (total_q, Hq) (lse_stride); float32, or float64 for float64 inputs
   int64_t q_stride[4] = {0, 0, 0, 0};
   int64_t k_stride[4] = {0, 0, 0, 0};
   int64_t v_stride[4] = {0, 0, 0, 0};
@@ -40,12 +40,40 @@ struct AttnParams {
   const void* mask = nullptr;         // broadcast to (B, Hq, L, S) through its strides
   int64_t mask_stride[4] = {0, 0, 0, 0};
 
-  // Causal: key j is visible from query row i iff j <= i + causal_offset
-  // (0: top-left alignment as in PyTorch; S - L: bottom-right as in FlashAttention).
+  // Which keys a row sees (visible_key_range in attention_math.h). Row i sits
+  // at key position i + causal_offset (0: top-left alignment as in PyTorch;
+  // S - L: bottom-right as in FlashAttention), for the causal bound, the window
+  // and the ALiBi distance alike. Causal: keys up to that position. Window:
+  // keys [pos - window_left, pos + window_right]; -1 = unbounded on that side.
   bool causal = false;
   int64_t causal_offset = 0;
+  int64_t window_left = -1, window_right = -1;
 
   double scale = 1.0;
+
+  // Score modifiers, in this order (Gemma 2's): s = softcap * tanh(s / softcap)
+  // when softcap > 0, then s -= slope * |pos - j| with slope = alibi[b * alibi_stride_b + h].
+  double softcap = 0.0;
+  const float* alibi = nullptr;  // (Hq,) (alibi_stride_b 0) or (B, Hq) (alibi_stride_b Hq)
+  int64_t alibi_stride_b = 0;
+  // Attention sinks: a logit per query head that joins every row's softmax
+  // denominator and takes no value. (Hq,) contiguous, in lse's dtype.
+  const void* sinks = nullptr;
+
+  // Packed variable-length batches (varlen): B sequences; sequence b holds
+  // query rows [cu_q[b], cu_q[b + 1]) and key rows [cu_k[b], cu_k[b + 1]) of
+  // tensors whose batch stride is 0. L and S are then the longest sequence's;
+  // the alignment offset is per sequence (S_b - L_b when bottom_right). The
+  // CPU driver turns a sequence into a dense batch of one (sequence_view), whose
+  // pointers start at the sequence's first row and whose row0 says which row that is.
+  const int64_t* cu_q = nullptr;  // (B + 1,) int64
+  const int64_t* cu_k = nullptr;  // (B + 1,) int64
+  bool bottom_right = false;
+  int64_t row0 = 0;
+
+  // The log-sum-exp of row (b, h, i) is at lse[b * lse_stride[0] + h * lse_stride[1] + (row0 + i) * lse_stride[2]]:
+  // (B, Hq, L) contiguous, or (total_q, Hq) for varlen.
+  int64_t lse_stride[3] = {0, 0, 0};
 
   // Dropout on the probabilities, drawn by Philox keyed with `seed`; see
   // attention_math.h for which random number each element uses. CUDA
@@ -68,7 +96,8 @@ struct AttnBwdParams : AttnParams {
   const void* dout = nullptr;  // (B, Hq, L, Ev)
   const void* dprobs = nullptr;  // (B, Hq, L, S); `probs` holds the forward's probabilities
   int64_t dprobs_stride[4] = {0, 0, 0, 0};
-  const void* dlse = nullptr;  // (B, Hq, L) contiguous, lse's dtype; nullptr when lse got no gradient
+  const void* dlse = nullptr;  // laid out as lse, lse's dtype; nullptr when lse got no gradient
+  void* dsinks = nullptr;      // (B, Hq), lse's dtype: sequence b's part of the sinks' gradient (the host sums over b)
   void* dq = nullptr;          // (B, Hq, L, E)
   void* dk = nullptr;          // (B, Hkv, S, E)
   void* dv = nullptr;          // (B, Hkv, S, Ev)

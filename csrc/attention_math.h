@@ -44,10 +44,47 @@ using acc_t = typename AccType<scalar_t>::type;
 
 // Keys [0, causal_key_end(p, i)) are visible from query row i (all S keys
 // when the attention is not causal). 0 means the row sees no key at all.
+// (The CUDA kernels' bound; they take no window yet.)
 ATTN_HOST_DEVICE int64_t causal_key_end(const AttnParams& p, int64_t i) {
   if (!p.causal) return p.S;
   const int64_t end = i + p.causal_offset + 1;
   return end < 0 ? 0 : (end > p.S ? p.S : end);
+}
+
+ATTN_HOST_DEVICE int64_t clamp_to(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+// The window's right side with the causal bound folded in: -1 when unbounded.
+ATTN_HOST_DEVICE int64_t right_reach(const AttnParams& p) {
+  if (p.causal) return 0;  // window_right >= 0 is validated, so min(window_right, 0) = 0
+  return p.window_right;
+}
+
+// Row i sees keys [begin, end) (causal bound and window; an attn_mask may hide
+// more of them). Both ends grow with i, so the keys of rows [i0, i1) lie in
+// [range(i0).begin, range(i1 - 1).end). begin == end: the row sees no key.
+struct KeyRange {
+  int64_t begin, end;
+};
+ATTN_HOST_DEVICE KeyRange visible_key_range(const AttnParams& p, int64_t i) {
+  const int64_t pos = i + p.causal_offset;
+  const int64_t right = right_reach(p);
+  const int64_t begin = p.window_left >= 0 ? clamp_to(pos - p.window_left, 0, p.S) : 0;
+  const int64_t end = right >= 0 ? clamp_to(pos + right + 1, begin, p.S) : p.S;
+  return KeyRange{begin, end};
+}
+
+// The query rows [begin, end) that see at least one key of [j0, j1): the
+// backward visits only these for a key block.
+ATTN_HOST_DEVICE KeyRange visible_row_range(const AttnParams& p, int64_t j0, int64_t j1) {
+  const int64_t right = right_reach(p);
+  const int64_t begin = right >= 0 ? clamp_to(j0 - right - p.causal_offset, 0, p.L) : 0;
+  const int64_t end = p.window_left >= 0 ? clamp_to(j1 + p.window_left - p.causal_offset, begin, p.L) : p.L;
+  return KeyRange{begin, end};
+}
+
+// Where row (b, h, i) keeps its log-sum-exp (and the backward its D).
+ATTN_HOST_DEVICE int64_t lse_index(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
+  return b * p.lse_stride[0] + h * p.lse_stride[1] + (p.row0 + i) * p.lse_stride[2];
 }
 
 // Dropout keeps element (row, j) iff its 32-bit random number u satisfies
@@ -70,9 +107,10 @@ struct DropoutRule {
         keep_scale(p.dropout_p > 0.0 ? static_cast<T>(1.0 / (1.0 - p.dropout_p)) : T(1)) {}
 };
 
-// The row index that keys Philox's subsequence: (b, h, i) of the (B, Hq, L) rows.
+// The row index that keys Philox's subsequence: the row's place in lse, so
+// (b * Hq + h) * L + i for a dense batch; (row0 + i) * Hq + h for a packed one.
 ATTN_HOST_DEVICE uint64_t dropout_row(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
-  return static_cast<uint64_t>((b * p.Hq + h) * p.L + i);
+  return static_cast<uint64_t>(lse_index(p, b, h, i));
 }
 
 // Element (row, j) takes output j % 4 of Philox block j / 4 in subsequence

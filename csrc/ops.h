@@ -15,8 +15,40 @@ namespace attn_ext {
 // "(2, 4, 17, 33)": how every message here prints a shape.
 std::string shape_str(at::IntArrayRef sizes);
 
+// The attention variants of one call as the ops take them (DESIGN.md
+// "Attention variants"). make_params checks them and keeps here what it
+// converted for the kernels (sinks in lse's dtype, contiguous float32 slopes).
+struct Variants {
+  std::optional<int64_t> window_left, window_right;  // >= 0; unset = unbounded
+  std::optional<double> softcap;                     // > 0
+  std::optional<at::Tensor> alibi_slopes;            // float32 (Hq,) or (B, Hq)
+  std::optional<at::Tensor> sinks;                   // (Hq,), any float dtype
+  at::Tensor alibi_for_kernel, sinks_for_kernel;     // filled by make_params
+
+  bool any() const {
+    return window_left.has_value() || window_right.has_value() || softcap.has_value() || alibi_slopes.has_value() ||
+           sinks.has_value();
+  }
+};
+
+// Checks the variants against the batch and heads of `p` and fills their fields.
+void describe_variants(AttnParams& p, Variants& variants, const at::Tensor& query);
+
+// A packed batch (varlen ops): query (total_q, Hq, E), key (total_k, Hkv, E),
+// value (total_k, Hkv, Ev), cu_seqlens int32/int64 (B + 1,) from 0 to the totals,
+// non-decreasing, on the CPU (the lengths are read on the host). Fills every
+// field but the outputs; L and S are the longest sequence's (max_seqlen_* must
+// be at least that). `cu` keeps the int64 copies the kernels read.
+struct PackedSeqlens {
+  at::Tensor cu_q, cu_k;
+};
+AttnParams make_varlen_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                              int64_t max_seqlen_k, double dropout_p, bool is_causal, bool bottom_right, double scale,
+                              const std::optional<at::Tensor>& dropout_seed, PackedSeqlens& cu);
+
 // Checks query/key/value/attn_mask/dropout and fills every field of the
-// forward parameters except the output pointers (out, lse).
+// forward parameters except the output pointers (out, lse) and the variants.
 //   query      (B, Hq, L, E)   any strides
 //   key        (B, Hkv, S, E)  any strides, Hq % Hkv == 0
 //   value      (B, Hkv, S, Ev) any strides
@@ -31,18 +63,23 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std
                        double dropout_p, bool is_causal, int64_t causal_offset, double scale,
                        const std::optional<at::Tensor>& dropout_seed);
 
+// dropout_seed: int64, one element, on query's device; required iff dropout_p > 0.
+void check_dropout_seed(double dropout_p, const std::optional<at::Tensor>& dropout_seed, const at::Tensor& query);
+
 // The attn_mask viewed as (B, Hq, L, S) without copying (stride 0 on broadcast dims).
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
 
 // Host helpers shared by the CPU and CUDA operator implementations.
 void copy_strides(int64_t (&dst)[4], const at::Tensor& t);  // t is 4-D
-// A log-sum-exp (or its gradient) for the rows of `p`: accumulation dtype, (B, Hq, L), on query's device.
+// A log-sum-exp (or its gradient) for the rows of `p`: accumulation dtype, (B, Hq, L)
+// ((total_q, Hq) for a packed batch), on query's device.
 void check_lse(const at::Tensor& lse, const char* name, const AttnParams& p, const at::Tensor& query);
 
 // The forward's results for `p`, allocated contiguous and described in it: the output
 // (B, Hq, L, Ev) as p.out / p.o_stride, or with `probs` (attention_probs) the
 // probabilities (B, Hq, L, S) as p.probs / p.probs_stride; and the log-sum-exp
 // (B, Hq, L) in the accumulation dtype as p.lse. Returns {output or probs, lse}.
+// For a packed batch: the output (total_q, Hq, Ev) and lse (total_q, Hq).
 std::tuple<at::Tensor, at::Tensor> make_forward_outputs(AttnParams& p, const at::Tensor& query, bool probs);
 
 // The backward's incoming gradient and the forward result it is for, checked

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 KERNEL_TESTS = {"test_sdpa_forward", "test_sdpa_backward", "test_tiling", "test_dropout", "test_probs",
-                "test_reference"}
+                "test_reference", "test_variants", "test_varlen"}
 
 
 def _cpu_variants():

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 try:
-    from attn_ext.reference import attention_probs_reference, attention_reference
+    from attn_ext.reference import (attention_probs_reference, attention_reference,
+                                    varlen_attention_reference)
 except Exception:  # attn_ext/__init__.py loads the compiled library; the reference needs none
     _spec = importlib.util.spec_from_file_location(
         "_attn_ext_reference",
@@ -25,6 +26,7 @@ except Exception:  # attn_ext/__init__.py loads the compiled library; the refere
     _spec.loader.exec_module(_reference)
     attention_reference = _reference.attention_reference
     attention_probs_reference = _reference.attention_probs_reference
+    varlen_attention_reference = _reference.varlen_attention_reference
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
@@ -46,8 +48,9 @@ FLOOR = {
 
 
 def lse_dtype(dtype):
-    """The dtype attn_ext returns the log-sum-exp in (the accumulation type)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+    """The dtype attn_ext returns the log-sum-exp in (the accumulation type): the
+    rule of attn_ext.ops (its fake kernels), which the tests hold the kernels to."""
+    return attn_ext_module().ops._lse_dtype(dtype)
 
 
 # --------------------------------------------------------------------------- attn_ext
@@ -68,6 +71,28 @@ def sdpa(*args, **kwargs):
 def attn_ops():
     attn_ext_module()
     return torch.ops.attn_ext
+
+
+def op_args(op, **values):
+    """Positional arguments for the operator overload ``op``, by the names in its schema:
+    ``values[name]``, else the schema's default, else None for an optional argument.
+
+    Tests name what they pass, so an optional argument added to a schema later does
+    not shift the others; a required argument the test does not give, or a value the
+    schema has no argument for, fails with the schema in the message."""
+    args = []
+    for a in op._schema.arguments:
+        if a.name in values:
+            args.append(values.pop(a.name))
+        elif a.has_default_value():
+            args.append(a.default_value)
+        elif isinstance(a.type, torch._C.OptionalType):
+            args.append(None)
+        else:
+            raise AssertionError(f"the test gives no value for {a.name!r} of {op._schema}")
+    if values:
+        raise AssertionError(f"{op._schema} has no argument(s) {sorted(values)}")
+    return tuple(args)
 
 
 # --------------------------------------------------------------------------- inputs
@@ -191,6 +216,43 @@ def assert_no_nan(t, name):
     assert not torch.isnan(t).any(), f"{name} contains NaN"
 
 
+# The maximum absolute error is one extreme sample where the Frobenius norm averages,
+# so it moves more between two correct implementations; its factor is looser. A wrong
+# row or column (the bug the norm can hide) is off by O(max |ref|), far above either.
+MAX_ERR_FACTOR = 4.0
+
+
+def max_abs_err(got, ref):
+    """max |got - ref| / max |ref| in float64 (the absolute max if ref is all zero);
+    -inf entries must coincide and are left out, as in :func:`rel_err`."""
+    got = got.detach().to(torch.float64)
+    ref = ref.detach().to(torch.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    if got.numel() == 0:
+        return 0.0
+    both_neg_inf = torch.isneginf(got) & torch.isneginf(ref)
+    got = torch.where(both_neg_inf, torch.zeros_like(got), got)
+    ref = torch.where(both_neg_inf, torch.zeros_like(ref), ref)
+    if not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
+        return math.inf
+    diff = (got - ref).abs().max().item()
+    denom = ref.abs().max().item()
+    return diff / denom if denom > 0 else diff
+
+
+def assert_max_abs_by_rule(name, got, ref, torch_got, dtype):
+    """Like :func:`assert_close_by_rule` on the maximum absolute error (relative to
+    max |ref|), with MAX_ERR_FACTOR: catches one wrong row that the norm hides."""
+    err = max_abs_err(got, ref)
+    torch_err = max_abs_err(torch_got, ref)
+    bound = MAX_ERR_FACTOR * torch_err + FLOOR[dtype]
+    assert err <= bound, (
+        f"{name} ({dtype}): max abs err vs float64 reference {err:.3e} (of max |ref|) > "
+        f"{MAX_ERR_FACTOR} x torch's {torch_err:.3e} + floor {FLOOR[dtype]:.0e}"
+    )
+    return err, torch_err
+
+
 def assert_close_by_rule(name, got, ref, torch_got, dtype):
     """attn_ext's error <= ERR_FACTOR x torch's error + FLOOR[dtype], both measured
     against the float64 reference ``ref``. Returns (attn_ext's error, torch's error)."""
@@ -204,6 +266,36 @@ def assert_close_by_rule(name, got, ref, torch_got, dtype):
         f"{ERR_FACTOR} x torch's {torch_err:.3e} + floor {FLOOR[dtype]:.0e}"
     )
     return err, torch_err
+
+
+def assert_sum_close_by_rule(name, got, ref, torch_got, dtype, terms_scale):
+    """The rule (Frobenius, then max-abs with MAX_ERR_FACTOR) for a result each of whose
+    entries is a sum of many signed terms, with the errors measured against
+    ``terms_scale`` (per entry, the sum of the terms' magnitudes) instead of the result.
+
+    For the sinks' gradient: one number per head, summed over every row with random
+    signs. Relative to the (cancelling) sum itself, the roundoff of a correct kernel
+    is unbounded, and with one or two entries torch's error is a coin toss that can
+    land near 0; relative to the terms' magnitudes both are a few roundoffs."""
+    assert_no_nan(got, name)
+    assert got.shape == ref.shape == terms_scale.shape, (got.shape, ref.shape, terms_scale.shape)
+    got, ref, torch_got, scale = (t.detach().to(torch.float64) for t in (got, ref, torch_got, terms_scale))
+    norm = scale.norm().item()
+    err = (got - ref).norm().item() / norm
+    torch_err = (torch_got - ref).norm().item() / norm
+    bound = ERR_FACTOR * torch_err + FLOOR[dtype]
+    assert err <= bound, (
+        f"{name} ({dtype}): err vs float64 reference {err:.3e} (of the terms' magnitudes) > "
+        f"{ERR_FACTOR} x torch's {torch_err:.3e} + floor {FLOOR[dtype]:.0e}"
+    )
+    peak = scale.abs().max().item()
+    err = (got - ref).abs().max().item() / peak
+    torch_err = (torch_got - ref).abs().max().item() / peak
+    bound = MAX_ERR_FACTOR * torch_err + FLOOR[dtype]
+    assert err <= bound, (
+        f"{name} ({dtype}): max abs err {err:.3e} (of the terms' magnitudes) > "
+        f"{MAX_ERR_FACTOR} x torch's {torch_err:.3e} + floor {FLOOR[dtype]:.0e}"
+    )
 
 
 # --------------------------------------------------------------------------- torch baseline
@@ -429,3 +521,87 @@ def run_backward_case(query, key, value, attn_mask=None, is_causal=False, scale=
         assert a.dtype == t.dtype, f"{name} dtype {a.dtype} != {t.dtype}"
         assert_close_by_rule(name, a, e, b, dtype)
     return got
+
+
+# --------------------------------------------------------------------------- variants
+
+
+def variant_visible(L, S, is_causal=False, window=None, causal_alignment="top_left",
+                    device="cpu"):
+    """(L, S) bool, True where key j is visible from query i under the causal rule and
+    ``window=(left, right)`` (None on a side = unbounded), written out row by row."""
+    offset = 0 if causal_alignment == "top_left" else S - L
+    left, right = (None, None) if window is None else window
+    visible = torch.zeros(L, S, dtype=torch.bool)
+    for i in range(L):
+        lo = 0 if left is None else max(0, i + offset - left)
+        hi = S - 1 if right is None else min(S - 1, i + offset + right)
+        if is_causal:
+            hi = min(hi, i + offset)
+        if lo <= hi:
+            visible[i, lo : hi + 1] = True
+    return visible.to(device)
+
+
+def per_head_view(t, query):
+    """A per-head tensor (ALiBi slopes, sinks) of shape (H,) or (N, H) ((1,) or (N, 1)
+    for 3-D inputs) viewed to broadcast against scores (N, ..., H, L, S)."""
+    if query.dim() == 3 or t.dim() == 1:
+        return t.reshape(-1, 1, 1)
+    return t.reshape(t.shape[0], *([1] * (query.dim() - 4)), t.shape[1], 1, 1)
+
+
+def torch_variant_probs(query, key, attn_mask=None, is_causal=False, scale=None,
+                        enable_gqa=False, causal_alignment="top_left", window=None,
+                        softcap=None, alibi_slopes=None, sinks=None):
+    """Attention probabilities (in the accumulation dtype) and lse by plain torch ops at
+    the inputs' dtype: PyTorch's error baseline where its SDPA cannot express a variant
+    (softcap, sinks). The scores come from a matmul in the inputs' dtype (rounded to it,
+    as torch's math path does); softcap, ALiBi, the mask and the softmax (with the sink
+    column) run in float32 (float64 for float64 inputs). Rows without keys (and no sink)
+    give 0 and lse -inf, without NaN. Differentiable in query, key, a float mask, sinks."""
+    acc = lse_dtype(query.dtype)
+    L, S, E = query.size(-2), key.size(-2), query.size(-1)
+    if enable_gqa and query.dim() >= 4 and query.size(-3) != key.size(-3):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), dim=-3)
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    offset = 0 if causal_alignment == "top_left" else S - L
+    scores = (query @ key.transpose(-2, -1)).to(acc) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        i = torch.arange(L, device=query.device, dtype=acc).unsqueeze(-1) + offset
+        j = torch.arange(S, device=query.device, dtype=acc).unsqueeze(0)
+        scores = scores - per_head_view(alibi_slopes.detach().to(acc), query) * (i - j).abs()
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        else:
+            scores = scores + attn_mask.to(acc)
+    if is_causal or window is not None:
+        visible = variant_visible(L, S, is_causal, window, causal_alignment, query.device)
+        scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = per_head_view(sinks.to(acc), query).expand(scores.shape[:-1] + (1,))
+        scores = torch.cat([scores, sink], dim=-1)
+    alive = (scores > float("-inf")).any(dim=-1, keepdim=True)
+    safe = torch.where(alive, scores, torch.zeros_like(scores))
+    lse = torch.logsumexp(safe, dim=-1, keepdim=True)
+    probs = torch.where(alive, torch.exp(safe - lse), torch.zeros_like(safe))
+    if sinks is not None:
+        probs = probs[..., :-1]
+    lse = torch.where(alive, lse, torch.full_like(lse, float("-inf"))).squeeze(-1)
+    return probs, lse
+
+
+def torch_variant_attention(query, key, value, attn_mask=None, is_causal=False, scale=None,
+                            enable_gqa=False, causal_alignment="top_left", window=None,
+                            softcap=None, alibi_slopes=None, sinks=None):
+    """``(out, lse)`` by plain torch ops at the inputs' dtype (see
+    :func:`torch_variant_probs`); the probabilities are rounded to the dtype and
+    multiplied with ``value`` in it, as torch's math path does. Differentiable."""
+    probs, lse = torch_variant_probs(query, key, attn_mask, is_causal, scale, enable_gqa,
+                                     causal_alignment, window, softcap, alibi_slopes, sinks)
+    if enable_gqa and query.dim() >= 4 and query.size(-3) != value.size(-3):
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), dim=-3)
+    return probs.to(query.dtype) @ value, lse

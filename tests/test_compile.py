@@ -84,3 +84,57 @@ def test_functional_export_keeps_the_operators_in_the_graph(device):
     assert any("attn_ext.attention_probs" in t for t in targets)
     for a, b in zip(exported.module()(q, k, v, bias), _attention(q, k, v, bias)):
         assert rel_err(a, b) < 1e-6
+
+
+def _variants(q, k, v, bias, slopes, sinks):
+    kw = dict(is_causal=True, enable_gqa=True, causal_alignment="bottom_right", window=(8, 2), softcap=3.0,
+              alibi_slopes=slopes, sinks=sinks)
+    out, lse = attn_ext.scaled_dot_product_attention(q, k, v, bias, return_lse=True, **kw)
+    probs = attn_ext.attention_probs(q, k, bias, **kw)
+    return out, lse, probs
+
+
+def test_variants_compile_with_fullgraph(device):
+    torch._dynamo.reset()
+    q, k, v = _qkv(device)
+    gen = make_generator(3)
+    bias = torch.randn(33, 47, generator=gen).to(device).requires_grad_()
+    slopes = (torch.rand(2, 4, generator=gen) * 0.1).to(device)
+    sinks = torch.randn(4, generator=gen).to(device).requires_grad_()
+    compiled = torch.compile(_variants, fullgraph=True)  # a graph break raises
+    eager = _variants(q, k, v, bias, slopes, sinks)
+    got = compiled(q, k, v, bias, slopes, sinks)
+    for a, b in zip(got, eager):
+        assert rel_err(a, b) < 1e-6
+    leaves = (q, k, v, bias, sinks)
+    loss = lambda outs: sum((o.float() * (i + 1)).sum() for i, o in enumerate(outs))  # noqa: E731
+    g_eager = torch.autograd.grad(loss(eager), leaves)
+    g_comp = torch.autograd.grad(loss(got), leaves)
+    for a, b in zip(g_comp, g_eager):
+        assert rel_err(a, b) < 1e-6
+
+
+def _packed(q, k, v, cu_q, cu_k, sinks):
+    # max_seqlen given: computing it from cu_seqlens would read data (a graph break)
+    return attn_ext.varlen_attention(q, k, v, cu_q, cu_k, 9, 11, is_causal=True, causal_alignment="bottom_right",
+                                     window=(4, 0), softcap=2.0, sinks=sinks, return_lse=True)
+
+
+def test_varlen_compiles_with_fullgraph(device):
+    torch._dynamo.reset()
+    gen = make_generator(4)
+    lens_q, lens_k = [5, 0, 9, 3], [7, 2, 11, 3]
+    q = torch.randn(sum(lens_q), 4, 16, generator=gen).to(device).requires_grad_()
+    k = torch.randn(sum(lens_k), 2, 16, generator=gen).to(device).requires_grad_()
+    v = torch.randn(sum(lens_k), 2, 8, generator=gen).to(device).requires_grad_()
+    sinks = torch.randn(4, generator=gen).to(device).requires_grad_()
+    cu_q = torch.tensor([0] + lens_q).cumsum(0).to(device, torch.int32)
+    cu_k = torch.tensor([0] + lens_k).cumsum(0).to(device, torch.int32)
+    eager = _packed(q, k, v, cu_q, cu_k, sinks)
+    got = torch.compile(_packed, fullgraph=True)(q, k, v, cu_q, cu_k, sinks)
+    for a, b in zip(got, eager):
+        assert rel_err(a, b) < 1e-6
+    leaves = (q, k, v, sinks)
+    loss = lambda out_lse: (out_lse[0] * 2).sum() + torch.nan_to_num(out_lse[1], neginf=0.0).sum()  # noqa: E731
+    for a, b in zip(torch.autograd.grad(loss(got), leaves), torch.autograd.grad(loss(eager), leaves)):
+        assert rel_err(a, b) < 1e-6

@@ -4,7 +4,7 @@ received; nothing returns NaN silently, nothing crashes."""
 import pytest
 import torch
 
-from helpers import attn_ops, error_pattern, make_generator, sdpa
+from helpers import attn_ops, error_pattern, make_generator, op_args, sdpa
 
 ERRORS = (RuntimeError, ValueError)
 F32, F64 = torch.float32, torch.float64
@@ -89,10 +89,12 @@ def test_inputs_on_different_devices_are_rejected():
 
 def test_low_level_forward_requires_4d_and_a_dropout_seed(device):
     q, k, v = _qkv(device)
+    op = attn_ops().attention_forward.default
+    values = dict(attn_mask=None, dropout_p=0.0, is_causal=False, causal_offset=0, scale=0.25, dropout_seed=None)
     with pytest.raises(ERRORS, match=error_pattern("query", "3-D", "4-D", "17")):
-        attn_ops().attention_forward(q[0], k[0], v[0], None, 0.0, False, 0, 0.25, None)
+        op(*op_args(op, query=q[0], key=k[0], value=v[0], **values))
     with pytest.raises(ERRORS, match=error_pattern("dropout_seed", "0.5")):
-        attn_ops().attention_forward(q, k, v, None, 0.5, False, 0, 0.25, None)
+        op(*op_args(op, query=q, key=k, value=v, **dict(values, dropout_p=0.5)))
 
 
 def test_legal_edge_values_give_finite_results(device):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from attn_ext.reference import attention_probs_reference
-from helpers import (FLOOR, ERR_FACTOR, attn_ext_module, make_mask, make_qkv, rel_err)
+from helpers import (FLOOR, ERR_FACTOR, attn_ext_module, make_mask, make_qkv, op_args, rel_err)
 
 CASES = {
     "plain": dict(),
@@ -141,26 +141,30 @@ def test_probs_rows_sum_to_one_over_3d_and_5d_inputs(device):
     torch.testing.assert_close(p5, attention_probs_reference(q5, k5, scale=0.5).float())
 
 
-def _probs_args(dtype, device, with_mask, dropout):
+def _probs_values(dtype, device, with_mask, dropout):
+    """attention_probs' arguments by name (helpers.op_args puts them in schema order)."""
     q, k, _ = make_qkv(2, 4, 2, 6, 10, 8, 8, dtype, device, seed=1, requires_grad=True)
     mask = make_mask("float", (1, 4, 6, 10), dtype, device, seed=2, requires_grad=True) if with_mask else None
     seed = torch.tensor([99], dtype=torch.int64, device=device) if dropout else None
-    return (q, k, mask, 0.2 if dropout else 0.0, True, 4, 1 / math.sqrt(8), seed)
+    return dict(query=q, key=k, attn_mask=mask, dropout_p=0.2 if dropout else 0.0, is_causal=True,
+                causal_offset=4, scale=1 / math.sqrt(8), dropout_seed=seed)
 
 
 @pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "float_mask"])
 @pytest.mark.parametrize("dropout", [False, True], ids=["no_dropout", "dropout"])
 def test_opcheck_attention_probs(with_mask, dropout, device):
     attn_ext_module()
-    args = _probs_args(torch.float64, device, with_mask, dropout)
-    torch.library.opcheck(torch.ops.attn_ext.attention_probs.default, args)
+    op = torch.ops.attn_ext.attention_probs.default
+    torch.library.opcheck(op, op_args(op, **_probs_values(torch.float64, device, with_mask, dropout)))
 
 
 def test_opcheck_attention_probs_backward(device):
     attn_ext_module()
-    q, k, mask, p, causal, offset, scale, seed = _probs_args(torch.float64, device, True, True)
-    probs, lse = torch.ops.attn_ext.attention_probs(q, k, mask, p, causal, offset, scale, seed)
-    args = (torch.randn_like(probs), torch.randn_like(lse), q.detach(), k.detach(), probs.detach(), lse.detach(),
-            mask.detach(), p, causal, offset, scale, seed, True)
-    torch.library.opcheck(torch.ops.attn_ext.attention_probs_backward.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+    values = _probs_values(torch.float64, device, True, True)
+    values = {n: (t.detach() if torch.is_tensor(t) else t) for n, t in values.items()}
+    fwd = torch.ops.attn_ext.attention_probs.default
+    probs, lse = fwd(*op_args(fwd, **values))
+    op = torch.ops.attn_ext.attention_probs_backward.default
+    args = op_args(op, grad_probs=torch.randn_like(probs), grad_lse=torch.randn_like(lse), probs=probs, lse=lse,
+                   compute_grad_mask=True, **values)
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

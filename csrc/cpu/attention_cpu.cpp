@@ -10,14 +10,14 @@
 namespace attn_ext {
 namespace {
 
-void set_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
+void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
   if (p.dropout_p > 0.0) p.seed = static_cast<uint64_t>(dropout_seed->item<int64_t>());
 }
 
 // The float32/float64 buffer the kernel accumulates the mask's gradient in.
 // Tasks are (batch, key/value head) pairs; they hit the same mask element
 // when the mask broadcasts over a dim they are split on, and then each thread
-// accumulates into a copy of its own. grad_mask_from() sums the copies.
+// accumulates into a copy of its own. sum_grad_mask_copies() sums the copies.
 at::Tensor grad_mask_buffer(AttnBwdParams& p, const at::Tensor& attn_mask, at::ScalarType acc) {
   TORCH_CHECK(p.mask_kind == MaskKind::Additive, "attn_ext: compute_grad_mask needs a float attn_mask");
   std::vector<int64_t> shape(4 - attn_mask.dim(), 1);  // the mask's sizes, padded to 4-D
@@ -32,7 +32,7 @@ at::Tensor grad_mask_buffer(AttnBwdParams& p, const at::Tensor& attn_mask, at::S
   return buffer;
 }
 
-at::Tensor grad_mask_from(const at::Tensor& buffer, const at::Tensor& attn_mask) {
+at::Tensor sum_grad_mask_copies(const at::Tensor& buffer, const at::Tensor& attn_mask) {
   return buffer.sum(0).view(attn_mask.sizes()).to(attn_mask.scalar_type());
 }
 
@@ -41,9 +41,10 @@ struct BwdOutputs {
   at::Tensor grad_query, grad_key, grad_mask, mask_buffer, lse, grad_lse;
 };
 
-BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& key, const at::Tensor& lse,
-                            const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
-                            const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+BwdOutputs make_backward_outputs(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
+                                 const std::optional<at::Tensor>& attn_mask,
+                                 const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
   const at::ScalarType acc = accumulation_dtype(query.scalar_type());
   check_lse(lse, "lse", p, query);
   BwdOutputs o;
@@ -57,7 +58,7 @@ BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
     o.grad_lse = grad_lse->contiguous();
     p.dlse = o.grad_lse.data_ptr();
   }
-  set_seed(p, dropout_seed);
+  read_seed(p, dropout_seed);
   p.dq = o.grad_query.data_ptr();
   p.dk = o.grad_key.data_ptr();
   copy_strides(p.dq_stride, o.grad_query);
@@ -69,22 +70,52 @@ BwdOutputs prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
   return o;
 }
 
+// The variants' gradient: the sinks' (B, Hq) partial sums, in lse's dtype, described in p.
+at::Tensor grad_sinks_buffer(AttnBwdParams& p, const Variants& variants, const at::Tensor& query) {
+  if (!variants.sinks.has_value()) return at::Tensor();
+  at::Tensor buffer = at::zeros({p.B, p.Hq}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  p.dsinks = buffer.data_ptr();
+  return buffer;
+}
+
+at::Tensor grad_sinks_from(const at::Tensor& buffer, const Variants& variants, const at::Tensor& query) {
+  if (!buffer.defined()) return at::empty({0}, query.options());
+  return buffer.sum(0).to(variants.sinks->scalar_type());
+}
+
+Variants variants_of(std::optional<int64_t> window_left, std::optional<int64_t> window_right,
+                     std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const std::optional<at::Tensor>& sinks) {
+  Variants v;
+  v.window_left = window_left;
+  v.window_right = window_right;
+  v.softcap = softcap;
+  v.alibi_slopes = alibi_slopes;
+  v.sinks = sinks;
+  return v;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query,   // (B, Hq, L, E)
     const at::Tensor& key,     // (B, Hkv, S, E)
     const at::Tensor& value,   // (B, Hkv, S, Ev)
     const std::optional<at::Tensor>& attn_mask,  // broadcastable to (B, Hq, L, S)
     double dropout_p, bool is_causal, int64_t causal_offset, double scale,
-    const std::optional<at::Tensor>& dropout_seed) {  // int64, 1 element
+    const std::optional<at::Tensor>& dropout_seed,  // int64, 1 element
+    std::optional<int64_t> window_left, std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
+    const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
   if (lse.numel() == 0) return {out, lse};
-  set_seed(p, dropout_seed);
+  read_seed(p, dropout_seed);
   cpu::attention_forward(p);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& grad_out,                 // (B, Hq, L, Ev), any strides
     const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L), lse's dtype
     const at::Tensor& query,                    // (B, Hq, L, E)
@@ -93,36 +124,45 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cp
     const at::Tensor& out,                      // (B, Hq, L, Ev), attention_forward's
     const at::Tensor& lse,                      // (B, Hq, L), attention_forward's
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   describe_grad_output(p, grad_out, out, query);
-  BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
   at::Tensor grad_value = at::empty(value.sizes(), value.options());
   if (p.B > 0 && p.Hq > 0) {
     p.dv = grad_value.data_ptr();
     copy_strides(p.dv_stride, grad_value);
     cpu::attention_backward(p);
   }
-  if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
-  return {o.grad_query, o.grad_key, grad_value, o.grad_mask};
+  if (compute_grad_mask) o.grad_mask = sum_grad_mask_copies(o.mask_buffer, *attn_mask);
+  return {o.grad_query, o.grad_key, grad_value, o.grad_mask, grad_sinks_from(dsinks, variants, query)};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
     const at::Tensor& query,  // (B, Hq, L, E)
     const at::Tensor& key,    // (B, Hkv, S, E)
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
   if (lse.numel() == 0) return {probs, lse};
-  set_seed(p, dropout_seed);
+  read_seed(p, dropout_seed);
   cpu::attention_forward(p);
   return {probs, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
     const at::Tensor& grad_probs,               // (B, Hq, L, S), any strides
     const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L)
     const at::Tensor& query,                    // (B, Hq, L, E)
@@ -130,15 +170,74 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
     const at::Tensor& probs,                    // (B, Hq, L, S), attention_probs'
     const at::Tensor& lse,                      // (B, Hq, L), attention_probs'
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   describe_grad_probs(p, grad_probs, probs, query);
-  BwdOutputs o = prepare_backward(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
   if (p.B > 0 && p.Hq > 0) cpu::attention_backward(p);
-  if (compute_grad_mask) o.grad_mask = grad_mask_from(o.mask_buffer, *attn_mask);
-  return {o.grad_query, o.grad_key, o.grad_mask};
+  if (compute_grad_mask) o.grad_mask = sum_grad_mask_copies(o.mask_buffer, *attn_mask);
+  return {o.grad_query, o.grad_key, o.grad_mask, grad_sinks_from(dsinks, variants, query)};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_forward_cpu(
+    const at::Tensor& query,         // (total_q, Hq, E), any strides
+    const at::Tensor& key,           // (total_k, Hkv, E)
+    const at::Tensor& value,         // (total_k, Hkv, Ev)
+    const at::Tensor& cu_seqlens_q,  // (B + 1,) int32/int64
+    const at::Tensor& cu_seqlens_k,  // (B + 1,)
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal, bool bottom_right, double scale,
+    const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
+    const std::optional<at::Tensor>& sinks) {       // (Hq,)
+  PackedSeqlens cu;
+  AttnParams p = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p, is_causal, bottom_right, scale, dropout_seed, cu);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
+  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
+  if (lse.numel() == 0) return {out, lse};
+  read_seed(p, dropout_seed);
+  cpu::attention_forward(p);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_backward_cpu(
+    const at::Tensor& grad_out,                 // (total_q, Hq, Ev), any strides
+    const std::optional<at::Tensor>& grad_lse,  // (total_q, Hq), lse's dtype
+    const at::Tensor& query,                    // (total_q, Hq, E)
+    const at::Tensor& key,                      // (total_k, Hkv, E)
+    const at::Tensor& value,                    // (total_k, Hkv, Ev)
+    const at::Tensor& out,                      // (total_q, Hq, Ev), varlen_forward's
+    const at::Tensor& lse,                      // (total_q, Hq), varlen_forward's
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, bool is_causal, bool bottom_right, double scale, const std::optional<at::Tensor>& dropout_seed,
+    std::optional<int64_t> window_left, std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  PackedSeqlens cu;
+  AttnBwdParams p;
+  static_cast<AttnParams&>(p) = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, dropout_p, is_causal, bottom_right, scale,
+                                                   dropout_seed, cu);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
+  describe_grad_output(p, grad_out, out, query);
+  BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, std::nullopt, dropout_seed, false);
+  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
+  at::Tensor grad_value = at::empty(value.sizes(), value.options());
+  if (p.B > 0 && p.Hq > 0) {
+    p.dv = grad_value.data_ptr();
+    copy_strides(p.dv_stride, grad_value);
+    cpu::attention_backward(p);
+  }
+  return {o.grad_query, o.grad_key, grad_value, grad_sinks_from(dsinks, variants, query)};
 }
 
 }  // namespace
@@ -148,6 +247,8 @@ TORCH_LIBRARY_IMPL(attn_ext, CPU, m) {
   m.impl("attention_backward", &attention_backward_cpu);
   m.impl("attention_probs", &attention_probs_cpu);
   m.impl("attention_probs_backward", &attention_probs_backward_cpu);
+  m.impl("varlen_forward", &varlen_forward_cpu);
+  m.impl("varlen_backward", &varlen_backward_cpu);
 }
 
 }  // namespace attn_ext

@@ -36,7 +36,7 @@ class AmxForwardProducts {
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
   AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
-      : p_(p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
+      : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
         k_panel_(Ep_ / 2 * 2 * kv_block), v_panel_(kv_block / 2 * 2 * Evp_) {
     cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
     cache_.on = (k_panel_ + v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
@@ -50,22 +50,23 @@ class AmxForwardProducts {
   ~AmxForwardProducts() { amx::release_tiles(); }
 
   int64_t out_ld() const { return Evp_; }
+  void bind(const AttnParams& p) { p_ = &p; }
 
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const Bf16* q_rows = row_at<Bf16>(p_.q, p_.q_stride, b, h, i0);
+    const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
     m_ = m;
     mp_ = round_up(m, 16);
-    amx::copy_rows_bf16(qa_.data(), Ep_, bits(q_rows), p_.q_stride[2], m, E_, Ep_);
+    amx::copy_rows_bf16(qa_.data(), Ep_, bits(q_rows), p_->q_stride[2], m, E_, Ep_);
     zero_rows(qa_.data(), Ep_, m, mp_);
   }
 
   void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
     uint16_t* kv = kv_.data() + slot * k_panel_;
     if (!cache_.packed(cache_.k, slot)) {
       // The whole block, whatever part of it this query block sees (the panel is reused).
-      const Bf16* k_tile = row_at<Bf16>(p_.k, p_.k_stride, b, hk, j0);
-      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_.k_stride[2], keys_in(j0), E_, Ep_, kv_block_);
+      const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
+      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0), E_, Ep_, kv_block_);
       cache_.mark(cache_.k, slot);
     }
     amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
@@ -79,11 +80,11 @@ class AmxForwardProducts {
 
   void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const int64_t n32 = round_up(n, 32);
-    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
     uint16_t* vv = vv_.data() + slot * v_panel_;
     if (!cache_.packed(cache_.v, slot)) {
-      const Bf16* v_tile = row_at<Bf16>(p_.v, p_.v_stride, b, hk, j0);
-      amx::pack_vnni_from_rows(vv, bits(v_tile), p_.v_stride[2], keys_in(j0), p_.Ev, kv_block_, Evp_);
+      const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0);
+      amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0), p_->Ev, kv_block_, Evp_);
       cache_.mark(cache_.v, slot);
     }
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
@@ -91,9 +92,9 @@ class AmxForwardProducts {
   }
 
  private:
-  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_.S - j0); }
+  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_->S - j0); }
 
-  const AttnParams& p_;
+  const AttnParams* p_;
   const int64_t E_, Ep_, Evp_, kv_block_, k_panel_, v_panel_;
   PanelCache cache_;
   int64_t m_ = 0, mp_ = 0;
@@ -115,7 +116,7 @@ class AmxBackwardProducts {
   static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
 
   AmxBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
-      : p_(p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
+      : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
         Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
         from_probs_(p.dprobs != nullptr) {
     const int64_t qb32 = round_up(q_block, 32);
@@ -132,31 +133,33 @@ class AmxBackwardProducts {
   }
   ~AmxBackwardProducts() { amx::release_tiles(); }
 
+  void bind(const AttnBwdParams& p) { p_ = &p; }
+
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
     n_ = n;
     n16_ = round_up(n, 16);
     n32_ = round_up(n, 32);
-    const Bf16* k_tile = row_at<Bf16>(p_.k, p_.k_stride, b, hk, j0);
-    amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_.k_stride[2], n, E_, Ep32_, kv_block_);
-    amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_.k_stride[2], n, E_, kv_block_, Ep16_);
+    const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
+    amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
+    amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_->k_stride[2], n, E_, kv_block_, Ep16_);
     if (from_probs_) return;
-    const Bf16* v_tile = row_at<Bf16>(p_.v, p_.v_stride, b, hk, j0);
-    amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_.v_stride[2], n, Ev_, Evp32_, kv_block_);
+    const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0);
+    amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_->v_stride[2], n, Ev_, Evp32_, kv_block_);
   }
 
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
     m_ = m;
     m16_ = round_up(m, 16);
     m32_ = round_up(m, 32);
-    const Bf16* q_rows = row_at<Bf16>(p_.q, p_.q_stride, b, h, i0);
-    amx::copy_rows_bf16(q_a_.data(), Ep32_, bits(q_rows), p_.q_stride[2], m, E_, Ep32_);
+    const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
+    amx::copy_rows_bf16(q_a_.data(), Ep32_, bits(q_rows), p_->q_stride[2], m, E_, Ep32_);
     zero_rows(q_a_.data(), Ep32_, m, m16_);
-    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_.q_stride[2], m, E_, m32_, Ep16_);
+    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_->q_stride[2], m, E_, m32_, Ep16_);
     if (from_probs_) return;
-    const Bf16* do_rows = row_at<Bf16>(p_.dout, p_.do_stride, b, h, i0);
-    amx::copy_rows_bf16(do_a_.data(), Evp32_, bits(do_rows), p_.do_stride[2], m, Ev_, Evp32_);
+    const Bf16* do_rows = row_at<Bf16>(p_->dout, p_->do_stride, b, h, i0);
+    amx::copy_rows_bf16(do_a_.data(), Evp32_, bits(do_rows), p_->do_stride[2], m, Ev_, Evp32_);
     zero_rows(do_a_.data(), Evp32_, m, m16_);
-    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_.do_stride[2], m, Ev_, m32_, Evp16_);
+    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
   }
 
   void scores(float* st) {
@@ -190,7 +193,7 @@ class AmxBackwardProducts {
     zero_rows(t_a_.data(), m32_, n_, n16_);
   }
 
-  const AttnBwdParams& p_;
+  const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
   const bool from_probs_;
   int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0;

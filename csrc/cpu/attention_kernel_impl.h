@@ -429,15 +429,36 @@ inline T dot_product(const T* a, const T* b, int64_t n) {
 constexpr int64_t kDirectRows = 2;
 
 // ---------------------------------------------------------------------------
-// Masking of one row of a score tile. Shared by forward and backward so that
-// they cannot disagree: scores s[0, n) of query row i against keys j0 + j get
-// the additive mask added, or -inf where the bool mask says no or the key is
-// past the causal bound; s[n, n_padded) become -inf.
+// The scores of one row of a tile, as DESIGN.md orders them. Shared by forward
+// and backward so that they cannot disagree: scores s[0, n) of query row i
+// against keys j0 + j become softcap * tanh(s / softcap) (tanh_out, when given,
+// keeps the tanh for the backward), get the ALiBi bias and the additive mask
+// added, and -inf where the bool mask says no or the key is outside the row's
+// visible range (causal, window); s[n, n_padded) become -inf.
 // ---------------------------------------------------------------------------
 template <typename scalar_t, typename T>
-inline void mask_score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded,
-                           int64_t b, int64_t h, int64_t i, int64_t j0) {
+inline void score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64_t b, int64_t h, int64_t i,
+                      int64_t j0, T* tanh_out = nullptr) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t VS = Vec::size();
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  if (p.softcap > 0.0) {
+    const Vec cap(static_cast<T>(p.softcap)), inv_cap(static_cast<T>(1.0 / p.softcap));
+    for (int64_t j = 0; j < n_padded; j += VS) {
+      const Vec t = (Vec::loadu(s + j) * inv_cap).tanh();
+      if (tanh_out != nullptr) t.store(tanh_out + j);
+      (t * cap).store(s + j);
+    }
+  }
+  if (p.alibi != nullptr) {
+    // s_j -= slope * |pos - (j0 + j)|: the distance of key j0 + j from the row's position
+    const Vec slope(static_cast<T>(p.alibi[b * p.alibi_stride_b + h]));
+    const T d0 = static_cast<T>(i + p.causal_offset - j0);
+    for (int64_t j = 0; j < n_padded; j += VS) {
+      const Vec dist = Vec::arange(d0 - static_cast<T>(j), T(-1)).abs();
+      (Vec::loadu(s + j) - slope * dist).store(s + j);
+    }
+  }
   if (p.mask_kind != MaskKind::None) {
     const int64_t offset = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
                            j0 * p.mask_stride[3];
@@ -455,21 +476,22 @@ inline void mask_score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padde
         if (!m[j * sj]) s[j] = kNegInf;
     }
   }
-  if (p.causal) {
-    const int64_t visible = causal_key_end(p, i) - j0;
-    for (int64_t j = std::max<int64_t>(visible, 0); j < n; ++j) s[j] = kNegInf;
-  }
-  for (int64_t j = n; j < n_padded; ++j) s[j] = kNegInf;
+  const KeyRange keys = visible_key_range(p, i);
+  const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, n);
+  const int64_t end = std::clamp<int64_t>(keys.end - j0, begin, n);
+  std::fill(s, s + begin, kNegInf);
+  std::fill(s + end, s + n_padded, kNegInf);
 }
 
 // Products may leave a score tile unscaled (AMX keeps Q as bfloat16, unscaled):
-// s * unscaled is the score. An additive mask adds to scores, so with one the
-// row is scaled here before masking; otherwise the factor is returned and
-// rides in the exponent (masking to -inf does not care). 1 when already scaled.
+// s * unscaled is the score. An additive mask, an ALiBi bias or the softcap need
+// the score itself, so with one the row is scaled here before score_row;
+// otherwise the factor is returned and rides in the exponent (masking to -inf
+// does not care). 1 when already scaled.
 template <typename T>
 inline T fold_scale(const AttnParams& p, T* s, int64_t np, T unscaled) {
   if (unscaled == T(1)) return T(1);
-  if (p.mask_kind == MaskKind::Additive || !(unscaled > T(0))) {
+  if (p.mask_kind == MaskKind::Additive || p.softcap > 0.0 || p.alibi != nullptr || !(unscaled > T(0))) {
     scale_row(s, np, unscaled);
     return T(1);
   }
@@ -517,7 +539,7 @@ class VecForwardProducts {
   static T unscaled(const AttnParams&) { return T(1); }     // scores() scales (Q is scaled)
 
   VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
-      : p_(p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
+      : p_(&p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
         blocks_(ceil_div(std::max<int64_t>(p.S, 1), kv_block)),
         v_direct_(p.probs == nullptr && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && p.Ev % kCols == 0) {
     const int64_t E1 = std::max<int64_t>(E_, 1);
@@ -534,25 +556,28 @@ class VecForwardProducts {
 
   int64_t out_ld() const { return Evp_; }
 
+  // The sequence the next calls read (sequence_view; the batch itself when dense).
+  void bind(const AttnParams& p) { p_ = &p; }
+
   // Q rows [i0, i0 + m) of head h of batch b, times the scale.
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const scalar_t* q_rows = row_at<scalar_t>(p_.q, p_.q_stride, b, h, i0);
+    const scalar_t* q_rows = row_at<scalar_t>(p_->q, p_->q_stride, b, h, i0);
     m_ = m;
     for (int64_t r = 0; r < m; ++r)
-      load_row(qt_.data() + r * E_, q_rows + r * p_.q_stride[2], E_, p_.q_stride[3], static_cast<T>(p_.scale), E_);
+      load_row(qt_.data() + r * E_, q_rows + r * p_->q_stride[2], E_, p_->q_stride[3], static_cast<T>(p_->scale), E_);
   }
 
   // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk.
   void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const scalar_t* k_tile = row_at<scalar_t>(p_.k, p_.k_stride, b, hk, j0);
+    const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0);
     if (m_ <= kDirectRows) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, k_tile);
       return;
     }
-    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
     T* kt = kt_.data() + slot * E_ * kv_block_;
     if (!cache_.packed(cache_.k, slot)) {  // the whole block: a cached panel serves every query block
-      pack_transposed(kt, kv_block_, k_tile, p_.k_stride[2], p_.k_stride[3], keys_in(j0), E_);
+      pack_transposed(kt, kv_block_, k_tile, p_->k_stride[2], p_->k_stride[3], keys_in(j0), E_);
       cache_.mark(cache_.k, slot);
     }
     gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
@@ -563,36 +588,36 @@ class VecForwardProducts {
 
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const scalar_t* v_tile = row_at<scalar_t>(p_.v, p_.v_stride, b, hk, j0);
+    const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
-      if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_.v_stride[2], true, ot, Evp_);
+      if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
     }
-    const int64_t slot = cache_.slot(b * p_.Hkv + hk, j0 / kv_block_);
+    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
     T* vt = vt_.data() + slot * kv_block_ * Evp_;
     if (!cache_.packed(cache_.v, slot)) {
       for (int64_t j = 0; j < keys_in(j0); ++j)
-        load_row(vt + j * Evp_, v_tile + j * p_.v_stride[2], Ev_, p_.v_stride[3], T(1), Evp_);
+        load_row(vt + j * Evp_, v_tile + j * p_->v_stride[2], Ev_, p_->v_stride[3], T(1), Evp_);
       cache_.mark(cache_.v, slot);
     }
     gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vt, Evp_, true, ot, Evp_);
   }
 
  private:
-  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_.S - j0); }
+  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_->S - j0); }
 
   void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
     for (int64_t j = 0; j < n; ++j) {
       const T* kr = krow_.data();
       if constexpr (std::is_same_v<scalar_t, T>) {
-        if (p_.k_stride[3] == 1) kr = k_tile + j * p_.k_stride[2];
+        if (p_->k_stride[3] == 1) kr = k_tile + j * p_->k_stride[2];
       }
-      if (kr == krow_.data()) load_row(krow_.data(), k_tile + j * p_.k_stride[2], E_, p_.k_stride[3], T(1), E_);
+      if (kr == krow_.data()) load_row(krow_.data(), k_tile + j * p_->k_stride[2], E_, p_->k_stride[3], T(1), E_);
       for (int64_t r = 0; r < m_; ++r) st[r * ld + j] = dot_product(qt_.data() + r * E_, kr, E_);
     }
     for (int64_t r = 0; r < m_; ++r) std::fill(st + r * ld + n, st + (r + 1) * ld, T(0));
   }
 
-  const AttnParams& p_;
+  const AttnParams* p_;
   const int64_t E_, Ev_, Evp_, kv_block_, blocks_;
   const bool v_direct_;
   PanelCache cache_;
@@ -601,9 +626,90 @@ class VecForwardProducts {
 };
 
 // ---------------------------------------------------------------------------
+// Packed batches and windows: what the drivers share.
+// ---------------------------------------------------------------------------
+template <typename scalar_t>
+inline const void* rows_from(const void* base, int64_t row, int64_t row_stride) {
+  return base == nullptr ? nullptr : static_cast<const scalar_t*>(base) + row * row_stride;
+}
+template <typename scalar_t>
+inline void* rows_from(void* base, int64_t row, int64_t row_stride) {
+  return base == nullptr ? nullptr : static_cast<scalar_t*>(base) + row * row_stride;
+}
+
+// Sequence b of a packed batch (p.cu_q set) as a dense batch of one: its
+// pointers start at the sequence's first query and key rows (the batch stride
+// is 0, so b still indexes ALiBi slopes and nothing else), L and S are its
+// lengths, the alignment offset its own, and row0 its first query row, for lse,
+// D and the dropout stream. Only called for packed batches.
+template <typename scalar_t, typename Params>
+Params sequence_view(const Params& p, int64_t b) {
+  Params s = p;
+  const int64_t q0 = p.cu_q[b], k0 = p.cu_k[b];
+  s.L = p.cu_q[b + 1] - q0;
+  s.S = p.cu_k[b + 1] - k0;
+  s.causal_offset = p.bottom_right ? s.S - s.L : 0;
+  s.row0 = q0;
+  s.q = rows_from<scalar_t>(p.q, q0, p.q_stride[2]);
+  s.k = rows_from<scalar_t>(p.k, k0, p.k_stride[2]);
+  s.v = rows_from<scalar_t>(p.v, k0, p.v_stride[2]);
+  s.out = rows_from<scalar_t>(p.out, q0, p.o_stride[2]);
+  if constexpr (std::is_same_v<Params, AttnBwdParams>) {
+    s.dout = rows_from<scalar_t>(p.dout, q0, p.do_stride[2]);
+    s.dq = rows_from<scalar_t>(p.dq, q0, p.dq_stride[2]);
+    s.dk = rows_from<scalar_t>(p.dk, k0, p.dk_stride[2]);
+    s.dv = rows_from<scalar_t>(p.dv, k0, p.dv_stride[2]);
+  }
+  return s;
+}
+
+// One thread's view of the sequence its current task is in: the batch itself
+// when dense, sequence_view when packed (rebuilt only when the sequence changes).
+template <typename scalar_t, typename Params>
+class SequenceViews {
+ public:
+  explicit SequenceViews(const Params& p) : p_(p) {}
+  const Params& of(int64_t b) {
+    if (p_.cu_q == nullptr) return p_;
+    if (b != b_) {
+      view_ = sequence_view<scalar_t>(p_, b);
+      b_ = b;
+    }
+    return view_;
+  }
+
+ private:
+  const Params& p_;
+  Params view_;
+  int64_t b_ = -1;
+};
+
+// Key blocks for a window that bounds both sides: the keys a query block sees
+// are about span = left + right + q wide, and the blocks that cover them
+// start on the kv grid, so up to a block is computed and masked in vain. A
+// quarter of the span (a power of two, 64 to kv keys) keeps that waste small
+// without making the blocks so short that their fixed costs dominate (a
+// 256-key window at 64 queries: 64-key blocks, measured fastest on the Xeon).
+inline int64_t windowed_kv_block(const AttnParams& p, int64_t kv, int64_t q) {
+  const int64_t right = right_reach(p);
+  if (p.window_left < 0 || right < 0) return kv;
+  const int64_t quarter = (p.window_left + right + q) / 4;
+  int64_t block = 64;
+  while (block * 2 <= quarter && block * 2 <= kv) block *= 2;
+  return std::min(block, kv);
+}
+
+// The sink's logit for head h, or nullptr.
+template <typename T>
+inline const T* sink_of(const AttnParams& p, int64_t h) {
+  return p.sinks == nullptr ? nullptr : static_cast<const T*>(p.sinks) + h;
+}
+
+// ---------------------------------------------------------------------------
 // Forward (FlashAttention-2's loop; Products does the two matrix products).
 // With p.probs set (the attention_probs op) there is no V: the first pass
 // only finds each row's log-sum-exp and a second pass writes the probabilities.
+// A query block visits only the key blocks its rows see (causal, window).
 // ---------------------------------------------------------------------------
 template <typename scalar_t, typename Products>
 void forward_driver(const AttnParams& p) {
@@ -611,22 +717,20 @@ void forward_driver(const AttnParams& p) {
   constexpr int64_t kCols = Products::kCols;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-  const int64_t B = p.B, Hq = p.Hq, L = p.L, S = p.S, Ev = p.Ev;
+  const int64_t B = p.B, Hq = p.Hq, Ev = p.Ev;
   const int64_t group = Hq / p.Hkv;
   const BlockSizes tiles = forward_blocks(p.E, p.Ev);
   // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
   const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
-  const int64_t n_qblocks = ceil_div(L, q_block);
-  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
+  const int64_t n_qblocks = ceil_div(p.L, q_block);  // of the longest sequence when packed
+  const int64_t kv_block = round_up(std::min(windowed_kv_block(p, tiles.kv, q_block), std::max<int64_t>(p.S, 1)),
+                                    Products::kKeyAlign);
   const Dropout<T> drop(p);
   const bool write_probs = p.probs != nullptr;
 
-  auto* out = static_cast<scalar_t*>(p.out);
-  auto* lse = static_cast<T*>(p.lse);
-  auto* probs = static_cast<scalar_t*>(p.probs);
-
   at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
+    SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
     const T unscaled = Products::unscaled(p);  // scores() leaves S divided by this
     Buffer<T> st(q_block * kv_block);
@@ -638,26 +742,30 @@ void forward_driver(const AttnParams& p) {
       const int64_t qb = task % n_qblocks;
       const int64_t h = (task / n_qblocks) % Hq;
       const int64_t b = task / (n_qblocks * Hq);
-      const int64_t hk = h / group;
+      const AttnParams& ps = views.of(b);
       const int64_t i0 = qb * q_block;
-      const int64_t m = std::min(q_block, L - i0);
-      // Rows see keys [0, causal_key_end(row)), which grows with the row.
-      const int64_t kv_end = causal_key_end(p, i0 + m - 1);
+      if (i0 >= ps.L) continue;  // past a shorter sequence's end
+      products.bind(ps);
+      const int64_t hk = h / group;
+      const int64_t m = std::min(q_block, ps.L - i0);
+      // The block's rows see keys in [kv_begin, kv_end); key blocks stay on the kv_block grid (cached panels).
+      const int64_t kv_begin = visible_key_range(ps, i0).begin / kv_block * kv_block;
+      const int64_t kv_end = visible_key_range(ps, i0 + m - 1).end;
 
       products.load_q(b, h, i0, m);
       std::fill(ot.begin(), ot.end(), T(0));
       std::fill(row_m, row_m + m, kNegInf);
       std::fill(row_l, row_l + m, T(0));
 
-      for (int64_t j0 = 0; j0 < kv_end; j0 += kv_block) {
+      for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kv_block) {
         const int64_t n = std::min(kv_block, kv_end - j0);
         const int64_t np = round_up(n, kCols);
         products.scores(st.data(), np, b, hk, j0, n);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
-          const T f = fold_scale(p, s, np, unscaled);
-          mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
+          const T f = fold_scale(ps, s, np, unscaled);
+          score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0);
           const T m_new = std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
             if (std::any_of(s, s + n, [](T x) { return std::isnan(x); }))
@@ -672,7 +780,7 @@ void forward_driver(const AttnParams& p) {
           if (write_probs) continue;
           if (correction != T(1)) scale_row(ot.data() + r * ldo, ldo, correction);
           if (drop.on) {
-            DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
+            DropoutRowStream rng(ps.seed, dropout_row(ps, b, h, i), j0);
             for (int64_t j = 0; j < n; ++j)
               if (rng.next() < drop.threshold) s[j] = T(0);
           }
@@ -681,40 +789,52 @@ void forward_driver(const AttnParams& p) {
         if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n);
       }
 
-      T* lse_bh = lse + (b * Hq + h) * L;
+      // The row's log-sum-exp, the sink's logit joining the sum. l == 0 only when
+      // the row saw no key (and there is no sink): output 0, log-sum-exp -inf. A
+      // NaN score makes l NaN: output and log-sum-exp NaN, as in PyTorch.
+      // o_mul[r] turns the row's output sum (relative to row_m) into the output.
+      auto* lse = static_cast<T*>(ps.lse);
+      const T* sink = sink_of<T>(ps, h);
+      T o_mul[kMaxQTile];
       for (int64_t r = 0; r < m; ++r) {
-        // l == 0 only when the row saw no key: output 0, log-sum-exp -inf. A NaN
-        // score makes l NaN: output and log-sum-exp NaN, as in PyTorch.
-        const T l = row_l[r];
-        lse_bh[i0 + r] = l > T(0) ? row_m[r] + std::log(l) : (std::isnan(l) ? l : kNegInf);
+        T mx = row_m[r], l = row_l[r];
+        if (sink != nullptr && !std::isnan(l)) {
+          const T m_new = std::max(mx, *sink);
+          if (m_new != kNegInf) {
+            l = (l > T(0) ? l * std::exp(mx - m_new) : T(0)) + std::exp(*sink - m_new);
+            mx = m_new;
+          }
+        }
+        lse[lse_index(ps, b, h, i0 + r)] = l > T(0) ? mx + std::log(l) : (std::isnan(l) ? l : kNegInf);
+        o_mul[r] = row_l[r] > T(0) ? drop.keep_scale * std::exp(row_m[r] - mx) / l
+                                   : (std::isnan(l) ? l : T(0));
       }
       if (!write_probs) {
-        scalar_t* o_bh = out + b * p.o_stride[0] + h * p.o_stride[1];
-        for (int64_t r = 0; r < m; ++r) {
-          const T l = row_l[r];
-          const T inv = l > T(0) ? drop.keep_scale / l : (std::isnan(l) ? l : T(0));
-          store_row(o_bh + (i0 + r) * p.o_stride[2], p.o_stride[3], ot.data() + r * ldo, Ev, inv);
-        }
+        scalar_t* o_bh = static_cast<scalar_t*>(ps.out) + b * ps.o_stride[0] + h * ps.o_stride[1];
+        for (int64_t r = 0; r < m; ++r)
+          store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot.data() + r * ldo, Ev, o_mul[r]);
         continue;
       }
 
-      // Second pass of attention_probs: P = exp(S - lse), dropped, written out.
-      scalar_t* p_bh = probs + b * p.probs_stride[0] + h * p.probs_stride[1];
-      for (int64_t j0 = 0; j0 < S; j0 += kv_block) {
-        const int64_t n = std::min(kv_block, S - j0);
+      // Second pass of attention_probs: P = exp(S - lse), dropped, written out; 0 outside [kv_begin, kv_end).
+      scalar_t* p_bh = static_cast<scalar_t*>(ps.probs) + b * ps.probs_stride[0] + h * ps.probs_stride[1];
+      for (int64_t j0 = 0; j0 < ps.S; j0 += kv_block) {
+        const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
-        if (j0 < kv_end) products.scores(st.data(), np, b, hk, j0, n);
+        const bool seen = j0 + n > kv_begin && j0 < kv_end;
+        if (seen) products.scores(st.data(), np, b, hk, j0, n);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
-          if (j0 >= kv_end || lse_bh[i] == kNegInf) {
+          const T row_lse = lse[lse_index(ps, b, h, i)];
+          if (!seen || row_lse == kNegInf) {
             std::fill(s, s + np, T(0));
           } else {
-            const T f = fold_scale(p, s, np, unscaled);
-            mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-            probabilities_row(p, drop, s, s, static_cast<T*>(nullptr), n, np, lse_bh[i], f, b, h, i, j0);
+            const T f = fold_scale(ps, s, np, unscaled);
+            score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0);
+            probabilities_row(ps, drop, s, s, static_cast<T*>(nullptr), n, np, row_lse, f, b, h, i, j0);
           }
-          store_row(p_bh + i * p.probs_stride[2] + j0 * p.probs_stride[3], p.probs_stride[3], s, n, T(1));
+          store_row(p_bh + i * ps.probs_stride[2] + j0 * ps.probs_stride[3], ps.probs_stride[3], s, n, T(1));
         }
       }
     }
@@ -745,7 +865,7 @@ class VecBackwardProducts {
   static T dk_scale(const AttnParams&) { return T(1); }
 
   VecBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
-      : p_(p), E_(p.E), Ev_(p.Ev), Ep_(round_up(std::max<int64_t>(p.E, 1), kCols)),
+      : p_(&p), E_(p.E), Ev_(p.Ev), Ep_(round_up(std::max<int64_t>(p.E, 1), kCols)),
         Evp_(round_up(std::max<int64_t>(p.Ev, 1), kCols)), from_probs_(p.dprobs != nullptr),
         scale_(static_cast<T>(p.scale)) {
     qt_.resize(q_block * Ep_);
@@ -755,29 +875,32 @@ class VecBackwardProducts {
     vt_.resize(std::max<int64_t>(Ev_, 1) * kv_block);
   }
 
+  // The sequence the next calls read (sequence_view; the batch itself when dense).
+  void bind(const AttnBwdParams& p) { p_ = &p; }
+
   // Keys and values [j0, j0 + n) of kv head hk.
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
     n_ = n;
     np_ = round_up(n, kCols);
-    const scalar_t* k_tile = row_at<scalar_t>(p_.k, p_.k_stride, b, hk, j0);
-    pack_transposed(kt_.data(), np_, k_tile, p_.k_stride[2], p_.k_stride[3], n, E_);
+    const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0);
+    pack_transposed(kt_.data(), np_, k_tile, p_->k_stride[2], p_->k_stride[3], n, E_);
     for (int64_t j = 0; j < n; ++j)
-      load_row(kn_.data() + j * Ep_, k_tile + j * p_.k_stride[2], E_, p_.k_stride[3], T(1), Ep_);
+      load_row(kn_.data() + j * Ep_, k_tile + j * p_->k_stride[2], E_, p_->k_stride[3], T(1), Ep_);
     if (from_probs_) return;
-    const scalar_t* v_tile = row_at<scalar_t>(p_.v, p_.v_stride, b, hk, j0);
-    pack_transposed(vt_.data(), np_, v_tile, p_.v_stride[2], p_.v_stride[3], n, Ev_);
+    const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
+    pack_transposed(vt_.data(), np_, v_tile, p_->v_stride[2], p_->v_stride[3], n, Ev_);
   }
 
   // Query (and output gradient) rows [i0, i0 + m) of head h.
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
     m_ = m;
-    const scalar_t* q_rows = row_at<scalar_t>(p_.q, p_.q_stride, b, h, i0);
+    const scalar_t* q_rows = row_at<scalar_t>(p_->q, p_->q_stride, b, h, i0);
     for (int64_t r = 0; r < m; ++r)
-      load_row(qt_.data() + r * Ep_, q_rows + r * p_.q_stride[2], E_, p_.q_stride[3], scale_, Ep_);
+      load_row(qt_.data() + r * Ep_, q_rows + r * p_->q_stride[2], E_, p_->q_stride[3], scale_, Ep_);
     if (from_probs_) return;
-    const scalar_t* do_rows = row_at<scalar_t>(p_.dout, p_.do_stride, b, h, i0);
+    const scalar_t* do_rows = row_at<scalar_t>(p_->dout, p_->do_stride, b, h, i0);
     for (int64_t r = 0; r < m; ++r)
-      load_row(dot_.data() + r * Evp_, do_rows + r * p_.do_stride[2], Ev_, p_.do_stride[3], T(1), Evp_);
+      load_row(dot_.data() + r * Evp_, do_rows + r * p_->do_stride[2], Ev_, p_->do_stride[3], T(1), Evp_);
   }
 
   // st (m x np, row stride np) = (scale Q) K^T.
@@ -792,7 +915,7 @@ class VecBackwardProducts {
   void add_dk(T* dk, const T* ds) { gemm<T>(n_, Ep_, m_, T(1), ds, 1, np_, qt_.data(), Ep_, true, dk, Ep_); }
 
  private:
-  const AttnBwdParams& p_;
+  const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep_, Evp_;
   const bool from_probs_;
   const T scale_;
@@ -815,9 +938,12 @@ inline int64_t backward_key_chunks(int64_t heads, int64_t key_blocks) {
 //   D_i  = sum_e dO_ie O_ie - dlse_i
 //   P    = exp(S - lse),  Z = P * keep / (1 - p)
 //   dV  += Z^T dO,  dP = (dO V^T) * keep / (1 - p),  dS = P * (dP - D)
-//   dQ  += scale dS K,  dK += scale dS^T Q,  dmask += dS
+//   dmask += dS;  through the softcap dS *= 1 - tanh^2
+//   dQ  += scale dS K,  dK += scale dS^T Q
+//   dsink = -sum_i exp(sink - lse_i) D_i   (the sink is a key with value 0)
 // One task is one (batch, kv head, chunk of key blocks): it owns dK and dV of
-// its key blocks and visits every query block of the head's query group.
+// its key blocks and visits the query blocks of the head's query group that
+// see them (causal, window).
 // ---------------------------------------------------------------------------
 template <typename scalar_t, typename Products>
 void backward_driver(const AttnBwdParams& p) {
@@ -827,50 +953,54 @@ void backward_driver(const AttnBwdParams& p) {
   constexpr int64_t kCols = Products::kCols;
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
 
-  const int64_t B = p.B, Hq = p.Hq, Hkv = p.Hkv, L = p.L, S = p.S, E = p.E, Ev = p.Ev;
+  const int64_t B = p.B, Hq = p.Hq, Hkv = p.Hkv, E = p.E, Ev = p.Ev;
+  const int64_t L = p.L;  // the longest sequence's when packed: dQ partial sums are laid out by it
   const int64_t group = Hq / Hkv;
   const BlockSizes tiles = backward_blocks(E, Ev);
   const int64_t q_block = tiles.q;
-  const int64_t kv_block = std::min(tiles.kv, round_up(std::max<int64_t>(S, 1), Products::kKeyAlign));
-  const int64_t key_blocks = ceil_div(S, kv_block);
+  const int64_t kv_block = round_up(std::min(windowed_kv_block(p, tiles.kv, q_block), std::max<int64_t>(p.S, 1)),
+                                    Products::kKeyAlign);
+  const int64_t key_blocks = ceil_div(p.S, kv_block);
   const int64_t Ep = round_up(std::max<int64_t>(E, 1), kCols);
   const int64_t Evp = round_up(std::max<int64_t>(Ev, 1), kCols);
   const Dropout<T> drop(p);
   const bool dropout = drop.on;
+  const bool softcap = p.softcap > 0.0;
   // attention_probs' backward: the gradient comes for the probabilities.
   const bool from_probs = p.dprobs != nullptr;
 
-  const auto* o = static_cast<const scalar_t*>(p.out);
-  const auto* dout = static_cast<const scalar_t*>(p.dout);
-  const auto* probs = static_cast<const scalar_t*>(p.probs);
-  const auto* dprobs = static_cast<const scalar_t*>(p.dprobs);
   const auto* lse = static_cast<const T*>(p.lse);
   const auto* dlse = static_cast<const T*>(p.dlse);
-  auto* dq = static_cast<scalar_t*>(p.dq);
-  auto* dk = static_cast<scalar_t*>(p.dk);
-  auto* dv = static_cast<scalar_t*>(p.dv);
 
-  // D for every row: rowsum(dO * O), which equals rowsum(dZ * Z) for the explicit probabilities Z.
-  std::vector<T> delta(B * Hq * L);
+  // D for every row (laid out as lse): rowsum(dO * O), which equals rowsum(dZ * Z)
+  // for the explicit probabilities Z; and the sinks' gradient of each (b, h).
+  std::vector<T> delta(p.cu_q != nullptr ? p.cu_q[B] * Hq : B * Hq * L);
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    SequenceViews<scalar_t, AttnBwdParams> views(p);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hq, h = bh % Hq;
-      for (int64_t i = 0; i < L; ++i) {
+      const AttnBwdParams& ps = views.of(b);
+      const T* sink = sink_of<T>(ps, h);
+      T dsink = 0;
+      for (int64_t i = 0; i < ps.L; ++i) {
+        const int64_t row = lse_index(ps, b, h, i);
         T d = 0;
         if (from_probs) {
-          const scalar_t* zrow = probs + b * p.probs_stride[0] + h * p.probs_stride[1] + i * p.probs_stride[2];
-          const scalar_t* drow = dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + i * p.dprobs_stride[2];
-          for (int64_t j = 0; j < S; ++j)
-            d += static_cast<T>(zrow[j * p.probs_stride[3]]) * static_cast<T>(drow[j * p.dprobs_stride[3]]);
+          const scalar_t* zrow = row_at<scalar_t>(ps.probs, ps.probs_stride, b, h, i);
+          const scalar_t* drow = row_at<scalar_t>(ps.dprobs, ps.dprobs_stride, b, h, i);
+          for (int64_t j = 0; j < ps.S; ++j)
+            d += static_cast<T>(zrow[j * ps.probs_stride[3]]) * static_cast<T>(drow[j * ps.dprobs_stride[3]]);
         } else {
-          const scalar_t* orow = o + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
-          const scalar_t* drow = dout + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
+          const scalar_t* orow = row_at<scalar_t>(ps.out, ps.o_stride, b, h, i);
+          const scalar_t* drow = row_at<scalar_t>(ps.dout, ps.do_stride, b, h, i);
           for (int64_t e = 0; e < Ev; ++e)
-            d += static_cast<T>(orow[e * p.o_stride[3]]) * static_cast<T>(drow[e * p.do_stride[3]]);
+            d += static_cast<T>(orow[e * ps.o_stride[3]]) * static_cast<T>(drow[e * ps.do_stride[3]]);
         }
-        if (dlse != nullptr) d -= dlse[bh * L + i];
-        delta[bh * L + i] = d;
+        if (dlse != nullptr) d -= dlse[row];
+        delta[row] = d;
+        if (sink != nullptr && lse[row] != kNegInf) dsink -= std::exp(*sink - lse[row]) * d;
       }
+      if (ps.dsinks != nullptr) static_cast<T*>(ps.dsinks)[bh] = dsink;
     }
   });
 
@@ -884,10 +1014,12 @@ void backward_driver(const AttnBwdParams& p) {
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
+    SequenceViews<scalar_t, AttnBwdParams> views(p);
     const T unscaled = Products::unscaled(p);              // scores() leaves S divided by this
     Buffer<T> pt(q_block * kv_block);                     // P tile
     Buffer<T> zt(dropout ? q_block * kv_block : 0);       // dropped P tile
     Buffer<T> dst(q_block * kv_block);                    // dP, then dS
+    Buffer<T> tt(softcap ? q_block * kv_block : 0);       // tanh(score / softcap)
     Buffer<T> dk_acc(kv_block * Ep);
     Buffer<T> dv_acc(kv_block * Evp);
     Buffer<T> dq_own(chunks == 1 ? dq_size : 0);
@@ -899,33 +1031,32 @@ void backward_driver(const AttnBwdParams& p) {
       const int64_t chunk = task % chunks;
       const int64_t hk = (task / chunks) % Hkv;
       const int64_t b = task / (chunks * Hkv);
+      const AttnBwdParams& ps = views.of(b);
+      products.bind(ps);
       T* dq_acc = chunks == 1 ? dq_own.data() : dq_partial.data() + task * dq_size;
       std::fill(dq_acc, dq_acc + dq_size, T(0));
 
-      for (int64_t blk = chunk; blk < key_blocks; blk += chunks) {
+      for (int64_t blk = chunk; blk * kv_block < ps.S; blk += chunks) {
         const int64_t j0 = blk * kv_block;
-        const int64_t n = std::min(kv_block, S - j0);
+        const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
-        products.load_kv(b, hk, j0, n);
+        const KeyRange rows = visible_row_range(ps, j0, j0 + n);
         std::fill(dk_acc.begin(), dk_acc.end(), T(0));
         std::fill(dv_acc.begin(), dv_acc.end(), T(0));
+        if (rows.end > rows.begin) products.load_kv(b, hk, j0, n);
 
-        for (int64_t g = 0; g < group; ++g) {
+        for (int64_t g = 0; g < group && rows.end > rows.begin; ++g) {
           const int64_t h = hk * group + g;
-          const T* lse_bh = lse + (b * Hq + h) * L;
-          const T* delta_bh = delta.data() + (b * Hq + h) * L;
-          for (int64_t i0 = 0; i0 < L; i0 += q_block) {
-            const int64_t m = std::min(q_block, L - i0);
-            if (causal_key_end(p, i0 + m - 1) <= j0) continue;  // no row of this block sees these keys
+          for (int64_t i0 = rows.begin / q_block * q_block; i0 < rows.end; i0 += q_block) {
+            const int64_t m = std::min(q_block, ps.L - i0);
             products.load_q(b, h, i0, m);
             // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
             products.scores(pt.data());
             if (from_probs) {
               for (int64_t r = 0; r < m; ++r)
                 load_row(dst.data() + r * np,
-                         dprobs + b * p.dprobs_stride[0] + h * p.dprobs_stride[1] + (i0 + r) * p.dprobs_stride[2] +
-                             j0 * p.dprobs_stride[3],
-                         n, p.dprobs_stride[3], T(1), np);
+                         row_at<scalar_t>(ps.dprobs, ps.dprobs_stride, b, h, i0 + r) + j0 * ps.dprobs_stride[3],
+                         n, ps.dprobs_stride[3], T(1), np);
             } else {
               products.grad_probs(dst.data());
             }
@@ -934,24 +1065,33 @@ void backward_driver(const AttnBwdParams& p) {
               const int64_t i = i0 + r;
               T* s = pt.data() + r * np;
               T* ds = dst.data() + r * np;
-              const T row_lse = lse_bh[i];
+              T* t = softcap ? tt.data() + r * np : nullptr;
+              const int64_t row = lse_index(ps, b, h, i);
+              const T row_lse = lse[row];
               if (row_lse == kNegInf) {  // fully masked row: no probability, no gradient
                 std::fill(s, s + np, T(0));
                 std::fill(ds, ds + np, T(0));
                 if (dropout) std::fill(zt.data() + r * np, zt.data() + (r + 1) * np, T(0));
                 continue;
               }
-              const T f = fold_scale(p, s, np, unscaled);
-              mask_score_row<scalar_t, T>(p, s, n, np, b, h, i, j0);
-              probabilities_row(p, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h, i,
-                                j0);
-              const Vec d(delta_bh[i]);
+              const T f = fold_scale(ps, s, np, unscaled);
+              score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, t);
+              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h,
+                                i, j0);
+              const Vec d(delta[row]);
               for (int64_t j = 0; j < np; j += VS)
                 (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
               if (dmask != nullptr) {
-                T* dm = dmask + b * p.dmask_stride[0] + h * p.dmask_stride[1] + i * p.dmask_stride[2] +
-                        j0 * p.dmask_stride[3];
-                for (int64_t j = 0; j < n; ++j) dm[j * p.dmask_stride[3]] += ds[j];
+                T* dm = dmask + b * ps.dmask_stride[0] + h * ps.dmask_stride[1] + i * ps.dmask_stride[2] +
+                        j0 * ps.dmask_stride[3];
+                for (int64_t j = 0; j < n; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
+              }
+              if (softcap) {  // d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
+                const Vec one(T(1));
+                for (int64_t j = 0; j < np; j += VS) {
+                  const Vec tj = Vec::loadu(t + j);
+                  (Vec::loadu(ds + j) * (one - tj * tj)).store(ds + j);
+                }
               }
             }
             if (!from_probs) products.add_dv(dv_acc.data(), dropout ? zt.data() : pt.data());
@@ -960,21 +1100,21 @@ void backward_driver(const AttnBwdParams& p) {
           }
         }
 
-        scalar_t* dk_bh = dk + b * p.dk_stride[0] + hk * p.dk_stride[1];
+        scalar_t* dk_bh = static_cast<scalar_t*>(ps.dk) + b * ps.dk_stride[0] + hk * ps.dk_stride[1];
         for (int64_t j = 0; j < n; ++j)
-          store_row(dk_bh + (j0 + j) * p.dk_stride[2], p.dk_stride[3], dk_acc.data() + j * Ep, E, dk_mul);
+          store_row(dk_bh + (j0 + j) * ps.dk_stride[2], ps.dk_stride[3], dk_acc.data() + j * Ep, E, dk_mul);
         if (!from_probs) {
-          scalar_t* dv_bh = dv + b * p.dv_stride[0] + hk * p.dv_stride[1];
+          scalar_t* dv_bh = static_cast<scalar_t*>(ps.dv) + b * ps.dv_stride[0] + hk * ps.dv_stride[1];
           for (int64_t j = 0; j < n; ++j)
-            store_row(dv_bh + (j0 + j) * p.dv_stride[2], p.dv_stride[3], dv_acc.data() + j * Evp, Ev, T(1));
+            store_row(dv_bh + (j0 + j) * ps.dv_stride[2], ps.dv_stride[3], dv_acc.data() + j * Evp, Ev, T(1));
         }
       }
 
       if (chunks > 1) continue;  // summed below
       for (int64_t g = 0; g < group; ++g) {
-        scalar_t* dq_bh = dq + b * p.dq_stride[0] + (hk * group + g) * p.dq_stride[1];
-        for (int64_t i = 0; i < L; ++i)
-          store_row(dq_bh + i * p.dq_stride[2], p.dq_stride[3], dq_acc + (g * L + i) * Ep, E, dq_mul);
+        scalar_t* dq_bh = static_cast<scalar_t*>(ps.dq) + b * ps.dq_stride[0] + (hk * group + g) * ps.dq_stride[1];
+        for (int64_t i = 0; i < ps.L; ++i)
+          store_row(dq_bh + i * ps.dq_stride[2], ps.dq_stride[3], dq_acc + (g * L + i) * Ep, E, dq_mul);
       }
     }
   });
@@ -982,17 +1122,20 @@ void backward_driver(const AttnBwdParams& p) {
 
   // dQ = the sum of the chunks' partial sums, row by row.
   at::parallel_for(0, B * Hq * L, 64, [&](int64_t begin, int64_t end) {
+    SequenceViews<scalar_t, AttnBwdParams> views(p);
     std::vector<T> row(Ep);
     for (int64_t bhi = begin; bhi < end; ++bhi) {
       const int64_t i = bhi % L, h = (bhi / L) % Hq, b = bhi / (L * Hq);
+      const AttnBwdParams& ps = views.of(b);
+      if (i >= ps.L) continue;
       const int64_t hk = h / group, g = h % group;
       const T* part = dq_partial.data() + (b * Hkv + hk) * chunks * dq_size + (g * L + i) * Ep;
       std::fill(row.begin(), row.end(), T(0));
       for (int64_t c = 0; c < chunks; ++c)
         for (int64_t e = 0; e < Ep; e += VS)
           (Vec::loadu(row.data() + e) + Vec::loadu(part + c * dq_size + e)).store(row.data() + e);
-      store_row(dq + b * p.dq_stride[0] + h * p.dq_stride[1] + i * p.dq_stride[2], p.dq_stride[3], row.data(), E,
-                dq_mul);
+      store_row(static_cast<scalar_t*>(ps.dq) + b * ps.dq_stride[0] + h * ps.dq_stride[1] + i * ps.dq_stride[2],
+                ps.dq_stride[3], row.data(), E, dq_mul);
     }
   });
 }

@@ -24,7 +24,7 @@ namespace attn_ext {
 namespace {
 
 // The kernels read the seed on the device: the host never waits for it.
-void set_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
+void point_to_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
   if (p.dropout_p > 0.0) p.seed_ptr = dropout_seed->data_ptr<int64_t>();  // make_params checked device and dtype
 }
 
@@ -94,7 +94,7 @@ void make_mask_buffer(AttnBwdParams& p, BwdBuffers& buf, const at::Tensor& attn_
   p.dmask_per_thread = false;
 }
 
-at::Tensor grad_mask_from(const BwdBuffers& buf, const at::Tensor& attn_mask) {
+at::Tensor grad_mask_of(const BwdBuffers& buf, const at::Tensor& attn_mask) {
   at::Tensor g = buf.dmask;
   if (buf.dmask_full) {
     std::vector<int64_t> dims;
@@ -109,7 +109,7 @@ at::Tensor grad_mask_from(const BwdBuffers& buf, const at::Tensor& attn_mask) {
 // Common part of both backwards: lse/dlse, seed, workspace, mask gradient.
 // kv_direct: the tensor-core kernel will run without grouped-query attention,
 // so dK and dV need no accumulators (see BwdWorkspace).
-BwdBuffers prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& lse,
+BwdBuffers allocate_backward(AttnBwdParams& p, const at::Tensor& query, const at::Tensor& lse,
                             const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& attn_mask,
                             const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask, bool with_value,
                             bool kv_direct) {
@@ -124,7 +124,7 @@ BwdBuffers prepare_backward(AttnBwdParams& p, const at::Tensor& query, const at:
     buf.grad_lse = grad_lse->contiguous();
     p.dlse = buf.grad_lse.data_ptr();
   }
-  set_seed(p, dropout_seed);
+  point_to_seed(p, dropout_seed);
   if (compute_grad_mask) {
     TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask, got none");
     make_mask_buffer(p, buf, *attn_mask, acc);
@@ -158,6 +158,20 @@ at::Tensor sum_over_groups(const at::Tensor& accum, const AttnParams& p, at::Sca
   return accum.view({p.B, p.Hkv, group, accum.size(2), accum.size(3)}).sum(2).to(dtype);
 }
 
+// The CUDA kernels take no window, softcap, ALiBi or sinks yet (the CPU ones do):
+// a call with one is refused, naming it, rather than computed without it.
+void reject_variants(std::optional<int64_t> window_left, std::optional<int64_t> window_right,
+                     std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+                     const std::optional<at::Tensor>& sinks) {
+  const char* given = window_left.has_value() || window_right.has_value() ? "window"
+                      : softcap.has_value()                               ? "softcap"
+                      : alibi_slopes.has_value()                          ? "alibi_slopes"
+                      : sinks.has_value()                                 ? "sinks"
+                                                                          : nullptr;
+  TORCH_CHECK_NOT_IMPLEMENTED(given == nullptr, "attn_ext: ", given,
+                              " is not implemented in the CUDA kernels of this build yet; the CPU kernels take it");
+}
+
 // ---------------------------------------------------------------------------
 // The operators
 // ---------------------------------------------------------------------------
@@ -168,8 +182,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const at::Tensor& value,   // (B, Hkv, S, Ev)
     const std::optional<at::Tensor>& attn_mask,  // bool or query's dtype, broadcastable to (B, Hq, L, S)
     double dropout_p, bool is_causal, int64_t causal_offset, double scale,
-    const std::optional<at::Tensor>& dropout_seed) {  // int64, 1 element, on query's device
+    const std::optional<at::Tensor>& dropout_seed,  // int64, 1 element, on query's device
+    std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
+  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
   if (lse.numel() == 0) return {out, lse};
@@ -178,12 +196,12 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     lse.fill_(-std::numeric_limits<double>::infinity());
     return {out, lse};
   }
-  set_seed(p, dropout_seed);
+  point_to_seed(p, dropout_seed);
   launch_forward(p);
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& grad_out,                 // (B, Hq, L, Ev), any strides
     const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L), lse's dtype
     const at::Tensor& query,                    // (B, Hq, L, E)
@@ -192,8 +210,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     const at::Tensor& out,                      // (B, Hq, L, Ev), attention_forward's
     const at::Tensor& lse,                      // (B, Hq, L), attention_forward's
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(query.device());
+  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
@@ -203,7 +224,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
   const bool launch = p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0;  // else every gradient is 0: the zeroed buffers
   const bool tensor_cores = launch && tensor_core_reason_for(p) == nullptr;
   BwdBuffers buf =
-      prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
+      allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
   if (launch) {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if (tensor_cores) {
@@ -214,17 +235,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cu
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const at::ScalarType dtype = query.scalar_type();
-  at::Tensor grad_mask = compute_grad_mask ? grad_mask_from(buf, *attn_mask) : at::empty({0}, query.options());
-  if (buf.kv_direct) return {buf.dq.to(dtype), buf.dk, buf.dv, grad_mask};
-  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), sum_over_groups(buf.dv, p, dtype), grad_mask};
+  at::Tensor grad_mask = compute_grad_mask ? grad_mask_of(buf, *attn_mask) : at::empty({0}, query.options());
+  const at::Tensor no_sinks = at::empty({0}, query.options());
+  if (buf.kv_direct) return {buf.dq.to(dtype), buf.dk, buf.dv, grad_mask, no_sinks};
+  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), sum_over_groups(buf.dv, p, dtype), grad_mask,
+          no_sinks};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
     const at::Tensor& query,  // (B, Hq, L, E), any strides
     const at::Tensor& key,    // (B, Hkv, S, E)
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
+  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
   if (lse.numel() == 0) return {probs, lse};
@@ -232,12 +258,12 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
     lse.fill_(-std::numeric_limits<double>::infinity());
     return {probs, lse};
   }
-  set_seed(p, dropout_seed);
+  point_to_seed(p, dropout_seed);
   launch_forward(p);  // the generic kernels: the tensor-core ones do not write probabilities
   return {probs, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
     const at::Tensor& grad_probs,               // (B, Hq, L, S), any strides
     const std::optional<at::Tensor>& grad_lse,  // (B, Hq, L)
     const at::Tensor& query,                    // (B, Hq, L, E)
@@ -245,21 +271,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cuda(
     const at::Tensor& probs,                    // (B, Hq, L, S), attention_probs'
     const at::Tensor& lse,                      // (B, Hq, L), attention_probs'
     const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, int64_t causal_offset,
-    double scale, const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+    double scale, const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(query.device());
+  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   describe_grad_probs(p, grad_probs, probs, query);
   BwdBuffers buf =
-      prepare_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false, false);
+      allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false, false);
   if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {
     cuda::backward_generic(p, buf.ws, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const at::ScalarType dtype = query.scalar_type();
-  at::Tensor grad_mask = compute_grad_mask ? grad_mask_from(buf, *attn_mask) : at::empty({0}, query.options());
-  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), grad_mask};
+  at::Tensor grad_mask = compute_grad_mask ? grad_mask_of(buf, *attn_mask) : at::empty({0}, query.options());
+  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), grad_mask, at::empty({0}, query.options())};
 }
 
 // Why attention_forward(query, key, value) would not run on the tensor-core

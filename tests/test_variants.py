@@ -1,0 +1,602 @@
+"""Attention variants (window, softcap, ALiBi, sinks) in attn_ext.scaled_dot_product_attention
+and attn_ext.attention_probs, alone and together, against the float64 reference.
+
+- forward (output and lse) and gradients (query, key, value, float mask, sinks) at every
+  dtype by the tolerance rule: attn_ext's error <= ERR_FACTOR x PyTorch's error + FLOOR,
+  both against the float64 reference. PyTorch's SDPA cannot express a softcap or sinks,
+  so its error is that of the same math by plain torch ops at the dtype
+  (helpers.torch_variant_attention). A max-abs check stands beside the Frobenius one;
+- shapes spanning several query and key tiles, where tiles wholly outside the window
+  are skipped;
+- rows that see no key: 0, lse -inf, or lse = sink with sinks;
+- gradcheck in float64 for every differentiable path, with dropout too;
+- dropout: attention_probs(...) @ value equals the fused output under the same seed;
+- bad variant values raise, naming the argument and the value.
+"""
+
+import pytest
+import torch
+
+from helpers import (
+    assert_close_by_rule,
+    assert_max_abs_by_rule,
+    assert_sum_close_by_rule,
+    attention_probs_reference,
+    attention_reference,
+    attn_ext_module,
+    error_pattern,
+    grads,
+    leaf64,
+    low_precision_leaf,
+    lse_dtype,
+    make_generator,
+    make_mask,
+    make_qkv,
+    per_head_view,
+    randn,
+    rel_err,
+    sdpa,
+    torch_variant_attention,
+    torch_variant_probs,
+)
+
+F64 = torch.float64
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+LOW_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ids(d):
+    return str(d).replace("torch.", "")
+
+
+def _slopes(H, device, batch=None, seed=0):
+    """float32 ALiBi slopes: the usual 2^(-8h/H), perturbed per batch entry when
+    ``batch`` (a shape) is given."""
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+    if batch is not None:
+        base = base * (1 + torch.rand(tuple(batch) + (H,), generator=make_generator(seed)))
+    return base.to(device=device, dtype=torch.float32)
+
+
+def _sinks(H, dtype, device, seed=0, requires_grad=False):
+    """Sinks around 1: p_sink of a few percent over ~40 keys, enough to matter."""
+    s = (torch.randn(H, generator=make_generator(seed + 1000)) + 1.0).to(device=device, dtype=dtype)
+    return s.requires_grad_(requires_grad)
+
+
+# name -> configuration. Defaults: B=2, Hq=Hkv=2, L=S=37, E=Ev=16, no variant.
+CASES = {
+    "window_symmetric": dict(window=(4, 4)),
+    "window_left_only": dict(window=(5, None)),
+    "window_right_only": dict(window=(None, 3)),
+    "window_causal": dict(window=(6, None), is_causal=True),
+    "window_causal_right_clipped": dict(window=(3, 4), is_causal=True),
+    "window_bottom_right_L_lt_S": dict(L=19, S=45, window=(7, 2), causal_alignment="bottom_right"),
+    # rows i < L - S see no key: output 0, lse -inf
+    "window_causal_bottom_right_L_gt_S": dict(L=45, S=19, window=(5, None), is_causal=True,
+                                              causal_alignment="bottom_right"),
+    "softcap": dict(softcap=2.0, scale=1.0),  # scores of std ~4: the cap bites
+    "softcap_causal_bottom_right": dict(L=19, S=45, softcap=5.0, is_causal=True,
+                                        causal_alignment="bottom_right"),
+    "alibi": dict(alibi="H"),
+    "alibi_per_batch_bottom_right": dict(L=19, S=45, alibi="NH", causal_alignment="bottom_right"),
+    "alibi_causal": dict(alibi="H", is_causal=True),
+    "sinks": dict(sinks=torch.float32),
+    "sinks_in_query_dtype": dict(sinks="query"),
+    # one row of batch 0 has no key: output 0, lse = sink
+    "sinks_bool_mask_dead_row": dict(sinks=torch.float32, mask="bool_dead_row"),
+    "everything_gqa": dict(Hq=4, Hkv=2, L=29, S=53, window=(11, 4), is_causal=True,
+                           causal_alignment="bottom_right", softcap=3.0, alibi="NH",
+                           sinks=torch.float32, mask="float"),
+    "three_d": dict(three_d=True, L=29, S=29, window=(5, 5), softcap=2.0, alibi="N1",
+                    sinks=torch.float32),
+    "three_d_scalar_slopes": dict(three_d=True, L=23, S=31, alibi="H", is_causal=True,
+                                  sinks=torch.float32),
+    "non_contiguous": dict(layout="transposed", window=(7, 3), softcap=4.0, alibi="H",
+                           sinks=torch.float32),
+    "odd_sizes": dict(L=33, S=71, E=24, Ev=8, window=(10, 10), alibi="H", mask="float"),
+}
+
+
+def _case(name, dtype, device, seed=0, requires_grad=False, cfg=None):
+    """(query, key, value, attn_mask, kwargs) for a named case; with ``requires_grad``
+    q, k, v, a float mask and the sinks require grad."""
+    cfg = CASES[name] if cfg is None else cfg
+    B, L, S = cfg.get("B", 2), cfg.get("L", 37), cfg.get("S", 37)
+    Hq = cfg.get("Hq", 2)
+    Hkv = cfg.get("Hkv", Hq)
+    E, Ev = cfg.get("E", 16), cfg.get("Ev", 16)
+    three_d = cfg.get("three_d", False)
+    if three_d:
+        gen = make_generator(seed)
+        q = randn((B, L, E), dtype, device, gen, requires_grad=requires_grad)
+        k = randn((B, S, E), dtype, device, gen, requires_grad=requires_grad)
+        v = randn((B, S, Ev), dtype, device, gen, requires_grad=requires_grad)
+        H = 1
+    else:
+        q, k, v = make_qkv(B, Hq, Hkv, L, S, E, Ev, dtype, device, seed=seed,
+                           layout=cfg.get("layout", "contiguous"), requires_grad=requires_grad)
+        H = Hq
+    kw = dict(is_causal=cfg.get("is_causal", False),
+              causal_alignment=cfg.get("causal_alignment", "top_left"),
+              window=cfg.get("window"), softcap=cfg.get("softcap"), scale=cfg.get("scale"))
+    if Hq != Hkv:
+        kw["enable_gqa"] = True
+    alibi = cfg.get("alibi")
+    if alibi == "H":
+        kw["alibi_slopes"] = _slopes(H, device)
+    elif alibi in ("NH", "N1"):
+        kw["alibi_slopes"] = _slopes(H, device, batch=(B,), seed=seed)
+    sinks = cfg.get("sinks")
+    if sinks is not None:
+        kw["sinks"] = _sinks(H, dtype if sinks == "query" else sinks, device, seed, requires_grad)
+    mask = None
+    lead = (B,) if three_d else (B, 1)
+    if cfg.get("mask") == "float":
+        shape = (L, S) if three_d else (1, H, L, S)
+        mask = make_mask("float", shape, dtype, device, seed=seed + 1, requires_grad=requires_grad)
+    elif cfg.get("mask") == "bool_dead_row":
+        mask = make_mask("bool", lead + (L, S), dtype, device, seed=seed + 1, keep_prob=0.8)
+        mask[0, ..., 3, :] = False
+    return q, k, v, mask, kw
+
+
+def _no_key_rows(q, k, mask, kw):
+    """Rows of the reference with no visible key (bool, shaped like the lse)."""
+    probs = attention_probs_reference(q, k, attn_mask=mask, **dict(kw, sinks=None))
+    return probs.sum(-1) == 0
+
+
+def check_forward(q, k, v, mask, kw):
+    """Output and lse of attn_ext vs the float64 reference, by the rule and by max-abs;
+    rows without keys are exactly 0, their lse -inf (the sink with sinks)."""
+    dtype = q.dtype
+    out, lse = sdpa(q, k, v, mask, return_lse=True, **kw)
+    ref, ref_lse = attention_reference(q, k, v, attn_mask=mask, **kw)
+    with torch.no_grad():
+        base, base_lse = torch_variant_attention(q, k, v, mask, **kw)
+    assert out.shape == ref.shape and out.dtype == dtype and out.device == q.device
+    assert lse.shape == q.shape[:-1], f"lse shape {tuple(lse.shape)} != {tuple(q.shape[:-1])}"
+    assert lse.dtype == lse_dtype(dtype)
+    assert_close_by_rule("out", out, ref, base, dtype)
+    assert_max_abs_by_rule("out", out, ref, base, dtype)
+    assert_close_by_rule("lse", lse, ref_lse, base_lse, lse_dtype(dtype))
+    assert_max_abs_by_rule("lse", lse, ref_lse, base_lse, lse_dtype(dtype))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "lse -inf on the wrong rows"
+    dead = _no_key_rows(q, k, mask, kw)
+    assert (out[dead] == 0).all(), "rows without any visible key must be exactly 0"
+    sinks = kw.get("sinks")
+    if sinks is not None and dead.any():
+        sink = per_head_view(sinks.detach().to(lse.dtype), q).squeeze(-1).expand_as(lse)
+        torch.testing.assert_close(lse[dead], sink[dead])
+    return out, lse
+
+
+def _per_head_abs_sum(terms, q):
+    """Sum of |terms| (shaped like the lse) per head: (H,), or (1,) for 3-D inputs."""
+    if q.dim() == 3:
+        return terms.abs().sum().reshape(1)
+    return terms.abs().transpose(0, -2).reshape(terms.size(-2), -1).sum(1)
+
+
+def check_backward(q, k, v, mask, kw, seed=0, lse_weight=False):
+    """Gradients of sum(out * g) (+ sum(lse * w) over finite lse) for q, k, v, a float
+    mask and sinks, vs float64 reference autograd, by the rule against the plain-torch
+    baseline's gradients at the same dtype, and by max-abs."""
+    dtype = q.dtype
+    sinks = kw.get("sinks")
+    inputs = [q, k, v, mask, sinks]
+    gen = make_generator(seed + 12345)
+    out_shape = q.shape[:-1] + (v.size(-1),)
+    g = torch.randn(out_shape, generator=gen).to(device=q.device, dtype=dtype)
+    w = torch.randn(q.shape[:-1], generator=gen).to(device=q.device, dtype=lse_dtype(dtype))
+
+    def loss_of(out, lse, acc):
+        loss = (out.to(acc) * g.to(acc)).sum()
+        if lse_weight:
+            finite = torch.isfinite(lse.detach())
+            loss = loss + torch.where(finite, lse * w.to(lse.dtype), torch.zeros_like(lse)).sum()
+        return loss
+
+    out, lse = sdpa(q, k, v, mask, return_lse=True, **kw)
+    got = grads(loss_of(out, lse, lse_dtype(dtype)), inputs, None)
+
+    r = [leaf64(t) for t in inputs]
+    r_out, r_lse = attention_reference(r[0], r[1], r[2], attn_mask=r[3], **dict(kw, sinks=r[4]))
+    expected = grads(loss_of(r_out, r_lse, F64), r, None)
+
+    t = [low_precision_leaf(x) for x in inputs]
+    t_out, t_lse = torch_variant_attention(t[0], t[1], t[2], t[3], **dict(kw, sinks=t[4]))
+    baseline = grads(loss_of(t_out, t_lse, lse_dtype(dtype)), t, None)
+
+    names = ["grad query", "grad key", "grad value", "grad attn_mask", "grad sinks"]
+    for name, x, a, e, b in zip(names, inputs, got, expected, baseline):
+        if x is None or not x.requires_grad:
+            continue
+        assert a is not None, f"{name} is None"
+        assert a.shape == x.shape, f"{name} shape {tuple(a.shape)} != {tuple(x.shape)}"
+        assert a.dtype == x.dtype, f"{name} dtype {a.dtype} != {x.dtype}"
+        if name == "grad sinks":
+            # d loss / d sink = sum over the head's rows of p_sink * (w - g . out)
+            with torch.no_grad():
+                p_sink = torch.exp(per_head_view(r[4], q).squeeze(-1) - r_lse)
+                w64 = w.to(F64) if lse_weight else 0.0
+                terms = p_sink * (w64 - (g.to(F64) * r_out).sum(-1))
+            assert_sum_close_by_rule(name, a, e, b, dtype, _per_head_abs_sum(terms, q))
+            continue
+        assert_close_by_rule(name, a, e, b, dtype)
+        assert_max_abs_by_rule(name, a, e, b, dtype)
+    return got
+
+
+# --------------------------------------------------------------------------- forward, backward
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", list(CASES))
+def test_variant_forward_matches_reference(device, case, dtype):
+    q, k, v, mask, kw = _case(case, dtype, device, seed=len(case))
+    check_forward(q, k, v, mask, kw)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", list(CASES))
+def test_variant_grads_match_reference(device, case, dtype):
+    q, k, v, mask, kw = _case(case, dtype, device, seed=len(case), requires_grad=True)
+    check_backward(q, k, v, mask, kw, seed=len(case))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", ["sinks", "sinks_bool_mask_dead_row", "everything_gqa",
+                                  "window_causal_bottom_right_L_gt_S", "three_d"])
+def test_variant_grads_through_lse_match_reference(device, case, dtype):
+    q, k, v, mask, kw = _case(case, dtype, device, seed=3, requires_grad=True)
+    check_backward(q, k, v, mask, kw, seed=3, lse_weight=True)
+
+
+# Several query tiles (64 rows) and key tiles (up to 512 keys) with partial last ones;
+# a sliding window leaves whole key tiles outside every row of a query tile: skipped.
+TILE_CASES = {
+    "L300_window_37_5": dict(B=1, L=300, S=300, window=(37, 5)),
+    "L300_S333_everything_gqa": dict(B=1, Hq=4, Hkv=2, L=300, S=333, window=(64, 7),
+                                     causal_alignment="bottom_right", softcap=4.0, alibi="H",
+                                     sinks=torch.float32),
+    "L1100_causal_window_256": dict(B=1, L=1100, S=1100, window=(256, 0), is_causal=True),
+    "L70_S1100_bottom_right_window_sinks": dict(B=1, L=70, S=1100, window=(100, 0),
+                                                causal_alignment="bottom_right",
+                                                sinks=torch.float32),
+}
+
+
+@pytest.mark.parametrize("case,dtype", [(c, torch.float32) for c in TILE_CASES]
+                         + [("L300_S333_everything_gqa", F64)],
+                         ids=[f"{c}-float32" for c in TILE_CASES] + ["L300_S333_everything_gqa-float64"])
+def test_multi_tile_window_forward_and_grads_match_reference(device, case, dtype):
+    cfg = TILE_CASES[case]
+    q, k, v, mask, kw = _case(case, dtype, device, seed=7, requires_grad=True, cfg=cfg)
+    check_forward(q, k, v, mask, kw)
+    check_backward(q, k, v, mask, kw, seed=7, lse_weight=True)
+
+
+def test_keys_outside_every_window_get_zero_grad(device):
+    # L = S = 300, window (10, 0) top_left: key j is seen by rows j..j+10 only; with
+    # queries 0..149 only, keys 150.. are outside every window: dK = dV = 0 exactly.
+    q, k, v = make_qkv(1, 2, 2, 150, 300, 16, 16, torch.float32, device, seed=8, requires_grad=True)
+    out = sdpa(q, k, v, window=(10, 0))
+    gq, gk, gv = torch.autograd.grad(out.sum(), [q, k, v])
+    assert (gk[..., 150:, :] == 0).all() and (gv[..., 150:, :] == 0).all()
+    assert (gv[..., :150, :] != 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)
+def test_rows_without_keys_with_sinks_give_zero_and_lse_equal_to_the_sink(device, dtype):
+    # top_left L > S, window (3, 0): rows i >= S + 3 see no key; and a bool mask row
+    L, S = 40, 20
+    q, k, v = make_qkv(2, 2, 2, L, S, 16, 16, dtype, device, seed=9, requires_grad=True)
+    sinks = _sinks(2, torch.float32, device, seed=9, requires_grad=True)
+    mask = torch.ones(2, 1, L, S, dtype=torch.bool, device=device)
+    mask[1, :, 5] = False
+    kw = dict(window=(3, 0), sinks=sinks)
+    out, lse = sdpa(q, k, v, mask, return_lse=True, **kw)
+    dead = torch.zeros(2, 2, L, dtype=torch.bool, device=device)
+    dead[:, :, S + 3:] = True
+    dead[1, :, 5] = True
+    assert torch.equal(_no_key_rows(q, k, mask, kw), dead)
+    assert (out[dead] == 0).all()
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(lse[dead], sinks.detach().to(lse.dtype).view(1, 2, 1).expand_as(lse)[dead])
+    gen = make_generator(10)
+    g = torch.randn(out.shape, generator=gen).to(device=device, dtype=dtype)
+    w = torch.randn(lse.shape, generator=gen).to(device=device, dtype=lse.dtype)
+    gq, gk, gv, gs = torch.autograd.grad((out * g).sum() + (lse * w).sum(), [q, k, v, sinks])
+    for t in (gq, gk, gv, gs):
+        assert torch.isfinite(t).all()
+    assert (gq[dead] == 0).all()
+    check_backward(q, k, v, mask, kw, seed=10, lse_weight=True)
+
+
+def test_alibi_slopes_get_no_gradient(device):
+    q, k, v = make_qkv(1, 2, 2, 9, 11, 8, 8, torch.float32, device, seed=11, requires_grad=True)
+    slopes = _slopes(2, device).requires_grad_(True)
+    out = sdpa(q, k, v, alibi_slopes=slopes)
+    out.sum().backward()
+    assert slopes.grad is None
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_variants_left_none_equal_the_plain_call(device):
+    q, k, v = make_qkv(2, 2, 2, 17, 23, 16, 16, torch.float32, device, seed=12)
+    a = sdpa(q, k, v, is_causal=True, window=None, softcap=None, alibi_slopes=None, sinks=None)
+    b = sdpa(q, k, v, is_causal=True)
+    assert torch.equal(a, b)
+    c = sdpa(q, k, v, window=(None, None))
+    assert rel_err(c, sdpa(q, k, v)) < 1e-6
+
+
+# --------------------------------------------------------------------------- attention_probs
+
+
+PROBS_CASES = ["window_symmetric", "window_causal_bottom_right_L_gt_S", "softcap", "alibi",
+               "alibi_per_batch_bottom_right", "sinks", "sinks_bool_mask_dead_row",
+               "everything_gqa", "three_d", "non_contiguous"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids)
+@pytest.mark.parametrize("case", PROBS_CASES)
+def test_variant_probs_match_reference(device, case, dtype):
+    attn_ext = attn_ext_module()
+    q, k, _, mask, kw = _case(case, dtype, device, seed=len(case))
+    got = attn_ext.attention_probs(q, k, mask, **kw)
+    ref = attention_probs_reference(q, k, mask, **kw)
+    assert got.dtype == dtype and got.shape == ref.shape
+    with torch.no_grad():
+        base, _ = torch_variant_probs(q, k, mask, **kw)
+    # PyTorch's error: the plain-torch probabilities at the dtype (with the dtype's
+    # rounding of the scores and of the result)
+    base = base.to(dtype)
+    assert_close_by_rule("probs", got, ref, base, dtype)
+    assert_max_abs_by_rule("probs", got, ref, base, dtype)
+    dead = _no_key_rows(q, k, mask, kw)
+    assert (got[dead] == 0).all()
+    if dtype in (torch.float32, F64) and kw.get("sinks") is not None:
+        # a row sums to 1 - p_sink, p_sink = exp(sink - lse)
+        _, lse = attention_reference(q, k, k, mask, **kw)  # any value: only the lse is used
+        sink = per_head_view(kw["sinks"].detach().double(), q).squeeze(-1)
+        p_sink = torch.exp(sink - lse)
+        tol = 1e-12 if dtype == F64 else 1e-5
+        torch.testing.assert_close(got.sum(-1).double(), torch.where(dead, 0.0, 1 - p_sink),
+                                   rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", ["window_causal_bottom_right_L_gt_S", "softcap", "sinks",
+                                  "everything_gqa", "three_d"])
+def test_variant_probs_grads_match_reference(device, case, dtype):
+    attn_ext = attn_ext_module()
+    q, k, _, mask, kw = _case(case, dtype, device, seed=len(case), requires_grad=True)
+    sinks = kw.get("sinks")
+    inputs = [q, k, mask, sinks]
+    got_probs = attn_ext.attention_probs(q, k, mask, **kw)
+    g = torch.randn(got_probs.shape, generator=make_generator(13)).to(device=device, dtype=dtype)
+    got = grads(got_probs, inputs, g)
+    r = [leaf64(t) for t in inputs]
+    ref = attention_probs_reference(r[0], r[1], r[2], **dict(kw, sinks=r[3]))
+    expected = grads(ref, r, g.to(F64))
+    t = [low_precision_leaf(x) for x in inputs]
+    base, _ = torch_variant_probs(t[0], t[1], t[2], **dict(kw, sinks=t[3]))
+    baseline = grads(base.to(dtype), t, g)
+    for name, x, a, e, b in zip(["grad query", "grad key", "grad attn_mask", "grad sinks"],
+                                inputs, got, expected, baseline):
+        if x is None or not x.requires_grad:
+            continue
+        assert a.dtype == x.dtype and a.shape == x.shape
+        if name == "grad sinks":
+            # d loss / d sink = -sum over the head's rows of p_sink * sum_j g_ij P_ij
+            with torch.no_grad():
+                p_sink = 1 - ref.sum(-1)
+                terms = p_sink * (g.to(F64) * ref).sum(-1)
+            assert_sum_close_by_rule(name, a, e, b, dtype, _per_head_abs_sum(terms, q))
+            continue
+        assert_close_by_rule(name, a, e, b, dtype)
+        assert_max_abs_by_rule(name, a, e, b, dtype)
+
+
+# --------------------------------------------------------------------------- gradcheck
+
+# Tiny float64 problems (every row sees a key, so the lse is finite and checked too).
+GRADCHECK_CASES = {
+    "window": dict(L=5, S=6, window=(1, 1)),
+    "window_one_side_none": dict(L=5, S=6, window=(None, 1)),
+    "window_causal_bottom_right": dict(L=4, S=6, window=(2, None), is_causal=True,
+                                       causal_alignment="bottom_right"),
+    "softcap": dict(L=5, S=6, softcap=0.7, scale=1.0),
+    "alibi_bottom_right": dict(L=4, S=6, alibi="H", causal_alignment="bottom_right"),
+    "alibi_per_batch": dict(B=2, L=4, S=5, alibi="NH"),
+    "sinks": dict(L=5, S=6, sinks=F64),
+    "sinks_float32": dict(L=4, S=5, sinks=torch.float32),
+    "float_mask_sinks_window": dict(L=5, S=6, window=(2, 0), sinks=F64, mask="float"),
+    "everything_gqa": dict(Hq=2, Hkv=1, L=4, S=6, window=(1, 2), is_causal=True,
+                           causal_alignment="bottom_right", softcap=1.5, alibi="NH", sinks=F64,
+                           mask="float"),
+    "three_d": dict(three_d=True, L=4, S=5, window=(1, 1), softcap=2.0, alibi="N1", sinks=F64),
+}
+
+
+def _gradcheck_case(name, device):
+    cfg = dict(dict(B=1, E=4, Ev=3), **GRADCHECK_CASES[name])
+    q, k, v, mask, kw = _case(name, F64, device, seed=len(name), requires_grad=True, cfg=cfg)
+    sinks = kw.pop("sinks", None)
+    if sinks is not None and sinks.dtype != F64:
+        sinks.requires_grad_(False)  # gradcheck needs float64 inputs: check it as a constant
+        kw["sinks"] = sinks
+        sinks = None
+    extra = [t for t in (mask, sinks) if t is not None and t.requires_grad]
+    return q, k, v, mask, sinks, extra, kw
+
+
+def _split_extra(extra, mask, sinks):
+    """The mask and sinks back from gradcheck's positional inputs."""
+    it = iter(extra)
+    m = next(it) if mask is not None and mask.requires_grad else mask
+    s = next(it) if sinks is not None else None
+    return m, s
+
+
+@pytest.mark.parametrize("case", list(GRADCHECK_CASES))
+def test_variant_gradcheck(device, case):
+    q, k, v, mask, sinks, extra, kw = _gradcheck_case(case, device)
+
+    def fn(q, k, v, *extra):
+        m, s = _split_extra(extra, mask, sinks)
+        kw2 = dict(kw) if s is None else dict(kw, sinks=s)
+        return sdpa(q, k, v, m, return_lse=True, **kw2)
+
+    out, lse = fn(q, k, v, *extra)
+    assert torch.isfinite(lse).all()
+    assert torch.autograd.gradcheck(fn, (q, k, v, *extra))
+
+
+@pytest.mark.parametrize("case", ["window_causal_bottom_right", "softcap", "sinks",
+                                  "everything_gqa", "three_d"])
+def test_variant_probs_gradcheck(device, case):
+    attn_ext = attn_ext_module()
+    q, k, _, mask, sinks, extra, kw = _gradcheck_case(case, device)
+
+    def fn(q, k, *extra):
+        m, s = _split_extra(extra, mask, sinks)
+        kw2 = dict(kw) if s is None else dict(kw, sinks=s)
+        return attn_ext.attention_probs(q, k, m, **kw2)
+
+    assert torch.autograd.gradcheck(fn, (q, k, *extra))
+
+
+@pytest.mark.parametrize("op", ["sdpa", "probs"])
+def test_variant_gradcheck_with_dropout(device, op):
+    attn_ext = attn_ext_module()
+    q, k, v, mask, sinks, extra, kw = _gradcheck_case("everything_gqa", device)
+
+    def fn(q, k, *rest, p=0.3):
+        v, extra = (None, rest) if op == "probs" else (rest[0], rest[1:])
+        m, s = _split_extra(extra, mask, sinks)
+        torch.manual_seed(0)  # the same dropout mask on every evaluation
+        if op == "probs":
+            return attn_ext.attention_probs(q, k, m, dropout_p=p, **dict(kw, sinks=s))
+        return sdpa(q, k, v, m, dropout_p=p, **dict(kw, sinks=s))
+
+    inputs = (q, k, *extra) if op == "probs" else (q, k, v, *extra)
+    assert not torch.equal(fn(*inputs), fn(*inputs, p=0.0)), "dropout dropped nothing"
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+DROPOUT_KW = dict(window=(9, 3), softcap=3.0, is_causal=True, causal_alignment="bottom_right")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64], ids=_ids)
+def test_probs_with_dropout_and_variants_times_value_equals_fused_output(device, dtype):
+    attn_ext = attn_ext_module()
+    q, k, v = make_qkv(2, 4, 2, 33, 70, 16, 16, dtype, device, seed=14)
+    kw = dict(DROPOUT_KW, enable_gqa=True, alibi_slopes=_slopes(4, device, batch=(2,), seed=15),
+              sinks=_sinks(4, torch.float32, device, seed=16), dropout_p=0.3)
+    torch.manual_seed(123)
+    probs = attn_ext.attention_probs(q, k, **kw)
+    torch.manual_seed(123)
+    out = attn_ext.scaled_dot_product_attention(q, k, v, **kw)
+    expected = probs @ v.repeat_interleave(2, dim=1)
+    assert rel_err(out, expected) < (1e-12 if dtype == F64 else 1e-5)
+    kw_ref = {n: x for n, x in kw.items() if n != "dropout_p"}
+    ref = attention_probs_reference(q, k, **kw_ref)
+    visible = ref > 0
+    dropped = ((probs == 0) & visible).sum().item() / visible.sum().item()
+    assert 0.25 < dropped < 0.35
+    # kept entries are the reference probabilities / (1 - p)
+    kept = (probs != 0)
+    torch.testing.assert_close(probs[kept].double() * 0.7, ref[kept],
+                               rtol=1e-10 if dtype == F64 else 1e-5, atol=1e-12 if dtype == F64 else 1e-7)
+
+
+def test_dropout_with_variants_matches_reference_given_the_recovered_mask(device):
+    # value = [I_S | v]: the first S output columns are P * keep / (1 - p), so they give
+    # the kernel's keep-mask; the output and the gradients must then equal the
+    # reference's with that mask (float64: the tolerance of test_tiling).
+    L, S, p = 21, 40, 0.3
+    q, k, v0 = make_qkv(2, 4, 2, L, S, 8, 6, F64, device, seed=17, requires_grad=True)
+    eye = torch.eye(S, dtype=F64, device=device).expand(2, 2, S, S)
+    v = torch.cat([eye, v0.detach()], dim=-1).requires_grad_(True)
+    mask = make_mask("float", (1, 4, L, S), F64, device, seed=18, requires_grad=True)
+    sinks = _sinks(4, F64, device, seed=19, requires_grad=True)
+    kw = dict(DROPOUT_KW, enable_gqa=True, alibi_slopes=_slopes(4, device), sinks=sinks)
+    torch.manual_seed(5)
+    out = sdpa(q, k, v, mask, dropout_p=p, **kw)
+    probs = attention_probs_reference(q, k, mask, **kw)
+    keep = (out[..., :S].detach() != 0) | (probs == 0)
+    assert 0.2 < (~keep).sum().item() / (probs > 0).sum().item() < 0.4
+    ref, _ = attention_reference(q, k, v, attn_mask=mask, dropout_p=p, dropout_mask=keep, **kw)
+    assert rel_err(out, ref) < 1e-11
+    g = torch.randn(out.shape, generator=make_generator(20), dtype=F64).to(device)
+    inputs = [q, k, v, mask, sinks]
+    got = torch.autograd.grad(out, inputs, g)
+    want = torch.autograd.grad(ref, inputs, g)
+    for name, a, b in zip(["query", "key", "value", "attn_mask", "sinks"], got, want):
+        assert rel_err(a, b) < 1e-11, name
+
+
+# --------------------------------------------------------------------------- bad values
+
+ERRORS = (RuntimeError, ValueError)
+
+# (kwargs for a (2, 4, 17, 16) query, argument name, values the message may show)
+BAD_VARIANTS = {
+    "window_negative_left": (dict(window=(-1, 0)), "window", ("(-1, 0)", "-1")),
+    "window_negative_right": (dict(window=(0, -2)), "window", ("(0, -2)", "-2")),
+    "window_not_a_pair": (dict(window=5), "window", ("5",)),
+    "window_three_values": (dict(window=(1, 2, 3)), "window", ("(1, 2, 3)",)),
+    "window_float_side": (dict(window=(1.5, 0)), "window", ("(1.5, 0)", "1.5")),
+    "softcap_negative": (dict(softcap=-1.0), "softcap", ("-1.0",)),
+    "softcap_zero": (dict(softcap=0.0), "softcap", ("0.0", "0")),
+    "softcap_nan": (dict(softcap=float("nan")), "softcap", ("nan",)),
+    "alibi_wrong_heads": (dict(alibi_slopes=("ones", (3,), torch.float32)), "alibi_slopes", ("(3,)",)),
+    "alibi_wrong_batch": (dict(alibi_slopes=("ones", (3, 4), torch.float32)), "alibi_slopes",
+                          ("(3, 4)",)),
+    "alibi_3d": (dict(alibi_slopes=("ones", (2, 4, 1), torch.float32)), "alibi_slopes",
+                 ("(2, 4, 1)",)),
+    "alibi_float64": (dict(alibi_slopes=("ones", (4,), F64)), "alibi_slopes",
+                      ("torch.float64", "float64", "double")),
+    "sinks_wrong_heads": (dict(sinks=("ones", (5,), torch.float32)), "sinks", ("(5,)",)),
+    "sinks_2d": (dict(sinks=("ones", (4, 1), torch.float32)), "sinks", ("(4, 1)",)),
+    "sinks_int": (dict(sinks=("ones", (4,), torch.int64)), "sinks", ("torch.int64", "int64", "long")),
+}
+
+
+def _materialise(kw, device):
+    return {n: torch.ones(x[1], dtype=x[2], device=device) if isinstance(x, tuple) and x and x[0] == "ones"
+            else x for n, x in kw.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_VARIANTS))
+def test_bad_variant_value_raises_naming_the_argument(device, case):
+    kw, name, values = BAD_VARIANTS[case]
+    q, k, v = make_qkv(2, 4, 4, 17, 23, 16, 16, torch.float32, device, seed=21)
+    with pytest.raises(ERRORS, match=error_pattern(name, *values)):
+        sdpa(q, k, v, **_materialise(kw, device))
+
+
+@pytest.mark.parametrize("case", ["window_negative_left", "softcap_zero", "alibi_wrong_heads",
+                                  "sinks_wrong_heads"])
+def test_bad_variant_value_raises_in_attention_probs(device, case):
+    attn_ext = attn_ext_module()
+    kw, name, values = BAD_VARIANTS[case]
+    q, k, _ = make_qkv(2, 4, 4, 17, 23, 16, 16, torch.float32, device, seed=22)
+    with pytest.raises(ERRORS, match=error_pattern(name, *values)):
+        attn_ext.attention_probs(q, k, **_materialise(kw, device))
+
+
+def test_bad_variant_values_on_3d_inputs_name_the_one_head(device):
+    gen = make_generator(23)
+    q, k, v = (randn(s, torch.float32, device, gen) for s in [(2, 7, 8), (2, 9, 8), (2, 9, 8)])
+    with pytest.raises(ERRORS, match=error_pattern("sinks", "(2,)")):
+        sdpa(q, k, v, sinks=torch.ones(2, device=device))
+    with pytest.raises(ERRORS, match=error_pattern("alibi_slopes", "(3, 1)")):
+        sdpa(q, k, v, alibi_slopes=torch.ones(3, 1, device=device))

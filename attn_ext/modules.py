@@ -14,7 +14,7 @@ from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from .masks import mha_mask
-from .ops import attention_and_probs, scaled_dot_product_attention
+from .ops import _window_sides, attention_and_probs, scaled_dot_product_attention, varlen_attention
 
 __all__ = ["KVCache", "MultiHeadAttention", "convert_attention"]
 
@@ -140,7 +140,18 @@ class MultiHeadAttention(nn.Module):
       value projections have ``num_kv_heads * head_dim`` outputs and each group
       of ``num_heads // num_kv_heads`` query heads shares one key/value head.
       ``in_proj_weight`` is then ``(embed_dim + 2 * kv_dim, embed_dim)``.
+    * ``window``, ``softcap``, ``sinks`` (keyword-only): the attention variants of
+      :func:`attn_ext.scaled_dot_product_attention` for every call: a sliding
+      window ``(left, right)`` (Mistral's window of w tokens with ``is_causal``
+      is ``(w - 1, 0)``), a tanh softcap on the scores (Gemma 2), and with
+      ``sinks=True`` a learned sink logit per head (gpt-oss), the parameter
+      ``sinks`` (num_heads,), initialised to 0.
     * ``cache`` (keyword-only, forward): a :class:`KVCache` for incremental decoding.
+    * ``cu_seqlens`` (keyword-only, forward): packed sequences. query, key and
+      value are ``(total, E)`` (``(total, kdim)``, ``(total, vdim)``): sequence b
+      is rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` and attends only to itself,
+      through :func:`attn_ext.varlen_attention` (no padding). Takes no masks and
+      no weights (``need_weights=False``).
     * ``is_causal=True`` without ``attn_mask`` applies the causal mask (PyTorch
       raises). With ``attn_mask`` it is PyTorch's hint that the mask is the
       causal mask: the kernel's causal flag is used instead of reading the
@@ -164,6 +175,10 @@ class MultiHeadAttention(nn.Module):
         kdim, vdim: feature sizes of key and value (default ``embed_dim``).
         batch_first: inputs and outputs are ``(N, L, E)`` instead of ``(L, N, E)``.
         num_kv_heads: key/value heads for grouped-query attention (default ``num_heads``).
+        window: ``(left, right)`` keys each query sees around its own position
+            (``None`` on a side: unbounded); default no window.
+        softcap: scores become ``softcap * tanh(score / softcap)``; default none.
+        sinks: learn one sink logit per head (a ``sinks`` parameter).
 
     Shape:
         query ``(L, N, E)``, ``(N, L, E)`` with ``batch_first`` or ``(L, E)``;
@@ -182,7 +197,8 @@ class MultiHeadAttention(nn.Module):
     __constants__ = ["batch_first"]
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
-                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None):
+                 kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
+                 window=None, softcap=None, sinks=False):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim} and "
                              f"num_heads={num_heads}")
@@ -195,6 +211,13 @@ class MultiHeadAttention(nn.Module):
                              f"num_kv_heads={num_kv_heads}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        _window_sides(window)  # checks it
+        if window is not None and (add_bias_kv or add_zero_attn):
+            raise ValueError(f"window={window!r} cannot be combined with add_bias_kv or add_zero_attn: the "
+                             f"appended key sits at the end of the keys, outside most queries' windows")
+        if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                    or not 0 < softcap < float("inf")):
+            raise ValueError(f"softcap must be None or a finite float > 0, got {softcap!r}")
         factory_kwargs = {"device": device, "dtype": dtype}
         super().__init__()
         self.embed_dim = embed_dim
@@ -230,6 +253,12 @@ class MultiHeadAttention(nn.Module):
         else:
             self.bias_k = self.bias_v = None
         self.add_zero_attn = add_zero_attn
+        self.window = None if window is None else tuple(window)
+        self.softcap = None if softcap is None else float(softcap)
+        if sinks:
+            self.sinks = nn.Parameter(torch.zeros(num_heads, **factory_kwargs))
+        else:
+            self.register_parameter("sinks", None)
         self._reset_parameters()
         self.register_forward_pre_hook(_keep_torch_fast_paths_off)
 
@@ -262,13 +291,19 @@ class MultiHeadAttention(nn.Module):
 
     def extra_repr(self):
         kv = f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else ""
+        extras = "".join(f", {name}={value!r}" for name, value in
+                         (("window", self.window), ("softcap", self.softcap)) if value is not None)
+        extras += ", sinks=True" if self.sinks is not None else ""
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}, "
-                f"batch_first={self.batch_first}")
+                f"batch_first={self.batch_first}{extras}")
+
+    def _variants(self):
+        return dict(window=self.window, softcap=self.softcap, sinks=self.sinks)
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
-                average_attn_weights=True, is_causal=False, *, cache=None):
+                average_attn_weights=True, is_causal=False, *, cache=None, cu_seqlens=None):
         r"""Attention of ``query`` over ``key``/``value``, as :meth:`torch.nn.MultiheadAttention.forward`.
 
         Args:
@@ -283,11 +318,16 @@ class MultiHeadAttention(nn.Module):
             cache: a :class:`KVCache`: keys and values are appended to it and
                 the queries attend to every cached token (S counts them all in
                 the masks' shapes).
+            cu_seqlens: int32/int64 ``(B + 1,)``: query, key and value are packed
+                ``(total, features)`` sequences (see the class docstring).
 
         Returns:
             ``(attn_output, attn_weights)``; ``attn_weights`` is None unless ``need_weights``.
         """
         same_qk, same_kv = query is key, key is value
+        if cu_seqlens is not None:
+            return self._forward_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                        cache, cu_seqlens, same_qk, same_kv)
         if any(isinstance(t, torch.Tensor) and t.is_nested for t in (query, key, value)):
             raise ValueError("attn_ext.MultiHeadAttention does not take nested tensors; nn.TransformerEncoder "
                              "makes them in eval mode with a src_key_padding_mask unless it was built with "
@@ -333,7 +373,7 @@ class MultiHeadAttention(nn.Module):
             k, v = cache.append(k, v)  # checks batch, heads, dtype first
         dropout_p = self.dropout if self.training else 0.0
         kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=use_causal_flag, enable_gqa=Hkv != H,
-                      causal_alignment=causal_alignment)
+                      causal_alignment=causal_alignment, **self._variants())
         if need_weights:
             out, weights = attention_and_probs(q, k, v, **kwargs)
         else:
@@ -350,6 +390,29 @@ class MultiHeadAttention(nn.Module):
             if not is_batched:
                 weights = weights.squeeze(0)
         return out, weights
+
+    def _forward_packed(self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache,
+                        cu_seqlens, same_qk, same_kv):
+        """forward() for packed sequences: (total, features) inputs, one varlen_attention call."""
+        refused = [name for name, given in (("key_padding_mask", key_padding_mask is not None),
+                                            ("attn_mask", attn_mask is not None), ("cache", cache is not None),
+                                            ("need_weights", bool(need_weights)))
+                   if given]
+        if refused:
+            raise ValueError(f"cu_seqlens (packed sequences) takes no {', '.join(refused)}: each sequence "
+                             f"attends only to itself (pass need_weights=False)")
+        if self.bias_k is not None or self.add_zero_attn:
+            raise ValueError("cu_seqlens (packed sequences) cannot be used with add_bias_kv or add_zero_attn")
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2:
+                shape = _fmt(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"with cu_seqlens, {name} must be 2-D (total, features), got {shape}")
+        q, k, v = self._in_projection(query, key, value, same_qk, same_kv)  # (total, E), (total, kv_dim) x 2
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        out = varlen_attention(q.unflatten(-1, (H, D)), k.unflatten(-1, (Hkv, D)), v.unflatten(-1, (Hkv, D)),
+                               cu_seqlens, cu_seqlens, dropout_p=self.dropout if self.training else 0.0,
+                               is_causal=bool(is_causal), **self._variants())
+        return F.linear(out.flatten(-2), self.out_proj.weight, self.out_proj.bias), None
 
     def _in_projection(self, query, key, value, same_qk, same_kv):
         """q (N, L, embed_dim), k (N, S, kv_dim), v (N, S, kv_dim): one matmul for self-attention."""

@@ -422,6 +422,90 @@ def test_grouped_query_attention_with_separate_kdim_vdim(device):
     assert torch.allclose(w.sum(-1), torch.ones((), dtype=torch.float64, device=device))
 
 
+# --------------------------------------------------------------------------- variants and packed sequences
+
+
+def _variant_reference(m, x, is_causal, cu_seqlens=None):
+    """The module's output in float64 by the reference math: its projections, then
+    attention_reference with the module's window, softcap and sinks (per sequence when packed)."""
+    from attn_ext.reference import attention_reference
+
+    H_, D = m.num_heads, m.head_dim
+    q, k, v = F.linear(x, m.in_proj_weight, m.in_proj_bias).split([E, E, E], dim=-1)
+    kw = dict(is_causal=is_causal, window=m.window, softcap=m.softcap, sinks=m.sinks)
+    if cu_seqlens is None:  # (N, L, E) batch_first
+        heads = [t.unflatten(-1, (H_, D)).transpose(1, 2) for t in (q, k, v)]
+        out, _ = attention_reference(*heads, **kw)
+        out = out.transpose(1, 2).flatten(-2)
+    else:  # (total, E): each sequence alone
+        outs = []
+        for b in range(len(cu_seqlens) - 1):
+            rows = slice(int(cu_seqlens[b]), int(cu_seqlens[b + 1]))
+            heads = [t[rows].unflatten(-1, (H_, D)).transpose(0, 1) for t in (q, k, v)]
+            o, _ = attention_reference(*heads, **kw)
+            outs.append(o.transpose(0, 1).flatten(-2))
+        out = torch.cat(outs)
+    return F.linear(out, m.out_proj.weight, m.out_proj.bias)
+
+
+@pytest.mark.parametrize("variants", [dict(window=(3, 0)), dict(window=(2, 1), softcap=2.5),
+                                      dict(sinks=True), dict(window=(4, None), softcap=1.5, sinks=True)],
+                         ids=["window", "window_softcap", "sinks", "everything"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_module_variants_match_the_reference(device, variants, is_causal):
+    torch.manual_seed(0)
+    m = attn_ext.MultiHeadAttention(E, H, batch_first=True, dtype=torch.float64, **variants).to(device)
+    if m.sinks is not None:
+        with torch.no_grad():
+            m.sinks.copy_(torch.randn(H, generator=make_generator(5), dtype=torch.float64))
+    x = _randn((N, 9, E), torch.float64, device, make_generator(1), True)
+    out, _ = m(x, x, x, is_causal=is_causal, need_weights=False)
+    ref = _variant_reference(m, x, is_causal)
+    assert rel_err(out, ref) < 1e-12
+    params = [x, m.in_proj_weight] + ([m.sinks] if m.sinks is not None else [])
+    g = torch.autograd.grad(out.sum(), params)
+    g_ref = torch.autograd.grad(ref.sum(), params)
+    assert all(rel_err(a, b) < 1e-11 for a, b in zip(g, g_ref))
+    # the weights come from the probabilities kernel with the same variants
+    out_w, w = m(x, x, x, is_causal=is_causal, average_attn_weights=False)
+    assert rel_err(out_w, out) < 1e-12 and w.shape == (N, H, 9, 9)
+
+
+@pytest.mark.parametrize("variants", [dict(), dict(window=(2, 0), sinks=True)], ids=["plain", "window_sinks"])
+def test_module_packed_sequences_match_each_sequence_alone(device, variants):
+    torch.manual_seed(0)
+    m = attn_ext.MultiHeadAttention(E, H, dtype=torch.float64, num_kv_heads=2, **variants).to(device)
+    cu = torch.tensor([0, 3, 3, 10, 11], device=device)
+    x = _randn((11, E), torch.float64, device, make_generator(2), True)
+    out, w = m(x, x, x, is_causal=True, need_weights=False, cu_seqlens=cu)
+    assert w is None and out.shape == (11, E)
+    alone = [m(x[cu[b]:cu[b + 1]], x[cu[b]:cu[b + 1]], x[cu[b]:cu[b + 1]], is_causal=True, need_weights=False)[0]
+             for b in range(4) if cu[b + 1] > cu[b]]
+    expected = torch.cat(alone)
+    assert rel_err(out, expected) < 1e-12
+    g = torch.autograd.grad(out.sum(), [x, m.in_proj_weight])
+    g_ref = torch.autograd.grad(expected.sum(), [x, m.in_proj_weight])
+    assert all(rel_err(a, b) < 1e-11 for a, b in zip(g, g_ref))
+
+
+def test_module_variant_misuse_raises_naming_the_value(device):
+    with pytest.raises(ValueError, match=r"window.*\(-1, 0\)"):
+        attn_ext.MultiHeadAttention(E, H, window=(-1, 0))
+    with pytest.raises(ValueError, match=r"window.*add_bias_kv"):
+        attn_ext.MultiHeadAttention(E, H, window=(4, 0), add_bias_kv=True)
+    with pytest.raises(ValueError, match=r"softcap.*-2"):
+        attn_ext.MultiHeadAttention(E, H, softcap=-2.0)
+    m = attn_ext.MultiHeadAttention(E, H).to(device)
+    x = torch.randn(6, E, device=device)
+    cu = torch.tensor([0, 2, 6], device=device)
+    with pytest.raises(ValueError, match=r"cu_seqlens.*need_weights"):
+        m(x, x, x, cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"cu_seqlens.*key_padding_mask"):
+        m(x, x, x, cu_seqlens=cu, need_weights=False, key_padding_mask=torch.zeros(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"query must be 2-D.*\(1, 6, 16\)"):
+        m(x[None], x[None], x[None], cu_seqlens=cu, need_weights=False)
+
+
 # --------------------------------------------------------------------------- decoding cache
 
 

@@ -234,8 +234,8 @@ inline T hsum(const Vectorized<T>& x) {
 // FastExp<T>::apply(x) is e^x, or 2^x where base2 (the caller then scales its
 // argument by log2(e)). On AVX-512 and AVX2 (float) it is 2^x: x = n + f with n
 // an integer and |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative
-// error < 2e-7), times 2^n (vscalefps on AVX-512; the exponent bits on AVX2, so
-// there x < -126 gives exactly 0). -inf gives 0 and NaN stays NaN. About half
+// error < 2e-7), times 2^n (vscalefps on AVX-512; the exponent bits on AVX2);
+// x < -126 gives exactly 0, never a subnormal. -inf gives 0 and NaN stays NaN. About half
 // the instructions of at::vec's exp_u20, which matters: the softmax's
 // exponentials cost as much as the AMX products. Elsewhere (DEFAULT, float64)
 // at::vec's exp. fast_max skips a NaN in x: the row max ignores NaN scores,
@@ -266,9 +266,13 @@ template <>
 struct FastExp<float> {
   static constexpr bool base2 = true;
   static Vectorized<float> apply(const Vectorized<float>& x) {
-  // clamped below (max(a, NaN) = NaN): vscalefps reaches 0 from -150, the exponent bits stop at -126
+  // Clamped below at -126 (max(a, NaN) = NaN) and set to 0 under it, so that no
+  // result is subnormal: a masked score (-inf) is common with windows, and
+  // subnormal results and sums cost a microcode assist each (measured: a third
+  // of a windowed forward's time when vscalefps went down to 2^-150).
 #if defined(CPU_CAPABILITY_AVX512)
-  const SimdF t = _mm512_max_ps(_mm512_set1_ps(-150.f), SimdF(x));
+  const __mmask16 normal = _mm512_cmp_ps_mask(SimdF(x), _mm512_set1_ps(-126.f), _CMP_NLT_UQ);  // or NaN
+  const SimdF t = _mm512_max_ps(_mm512_set1_ps(-126.f), SimdF(x));
   const SimdF n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 #else
   const SimdF under = _mm256_cmp_ps(SimdF(x), _mm256_set1_ps(-126.f), _CMP_LT_OQ);
@@ -284,7 +288,7 @@ struct FastExp<float> {
   q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(6.9314718e-1f));  // ln2
   q = ATTN_EXT_PS(fmadd)(q, f, ATTN_EXT_PS(set1)(1.f));
 #if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_scalef_ps(q, n);
+  return _mm512_maskz_scalef_ps(normal, q, n);
 #else
   const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(under, _mm256_mul_ps(q, _mm256_castsi256_ps(pow2n)));
@@ -399,7 +403,19 @@ inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs,
       return;
     }
   }
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j0 = 0;
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<T, float>) {
+    if (cs == 1) {  // 16 x 16 blocks through registers (a windowed backward packs a block per 5 query tiles)
+      for (; j0 + 16 <= n; j0 += 16) {
+        int64_t d = 0;
+        for (; d + 16 <= dim; d += 16)
+          at::vec::transpose_mxn<float, 16, 16>(src + j0 * rs + d, rs, dst + d * ld + j0, ld);
+        for (; d < dim; ++d)
+          for (int64_t j = j0; j < j0 + 16; ++j) dst[d * ld + j] = src[j * rs + d];
+      }
+    }
+  }
+  for (int64_t j = j0; j < n; ++j) {
     const scalar_t* row = src + j * rs;
     for (int64_t d = 0; d < dim; ++d) dst[d * ld + j] = static_cast<T>(row[d * cs]);
   }

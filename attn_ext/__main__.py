@@ -5,7 +5,10 @@ check  gradcheck in float64 and the comparison with the float64 reference over a
        representative set of configurations; a pass/fail table, exit 1 on a failure
 bench  attn_ext vs torch SDPA vs the plain softmax(QK^T)V over a sequence-length
        sweep: a table, JSON (--json) and a PNG plot of GFLOP/s against L (--plot);
-       every option of attn_ext/benchmark/sdpa.py is accepted (--help lists them)
+       every option of attn_ext/benchmark/sdpa.py is accepted (--help lists them).
+       bench --variant window|softcap|alibi|sinks|varlen: that attention variant
+       against the ways to get it without it (attn_ext/benchmark/variants.py;
+       python -m attn_ext bench --variant window --help)
 """
 
 import argparse
@@ -213,8 +216,14 @@ BENCH_SWEEP = ",".join(f"{max(1, 4096 // L)}x4x{L}x64{c}" for c in ("", ":causal
 
 
 def _bench(rest):
-    from .benchmark import sdpa
+    from .benchmark import sdpa, variants
 
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--variant")
+    variant = pre.parse_known_args(rest)[0].variant
+    if variant is not None:  # variants.py checks the name and has its own default shapes
+        defaults = ["--json", f"attn_ext_bench_{variant}.json"]
+        return variants.main(defaults + rest, prog="python -m attn_ext bench")
     defaults = ["--shapes", BENCH_SWEEP, "--json", "attn_ext_bench.json", "--plot", "attn_ext_bench.png"]
     return sdpa.main(defaults + rest, prog="python -m attn_ext bench")  # the user's options come last and win
 

@@ -28,6 +28,8 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     (["check", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["check", "--devcie", "cpu"], "unrecognized arguments"),
+    (["bench", "--variant", "nope"], "invalid choice: 'nope'"),
+    (["bench", "--variant", "varlen", "--shapes", "2x8x512x64"], "varlen shapes are 1xHxTxE"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
     rc, out, err = _run(*args)
@@ -70,6 +72,73 @@ def test_bench_bad_shape_gives_one_line_and_exit_2():
     rc, out, err = _run("bench", "--shapes", "2x2x1xz")
     assert rc == 2 and "bad shape '2x2x1xz'" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+# Tiny cases (--quick divides L by 4; --tokens is taken as given): a few seconds each.
+VARIANT_ARGS = {
+    "window": ["--shapes", "1x2x256x16:causal", "--window", "16"],
+    "softcap": ["--shapes", "1x2x128x16:causal,1x2x128x16"],
+    "alibi": ["--shapes", "1x2x128x16:causal,1x2x128x16"],
+    "sinks": ["--shapes", "1x2x128x16:causal,1x2x128x16"],
+    "varlen": ["--shapes", "1x2x64x16:causal", "--tokens", "600", "--lengths", "16-200"],
+}
+VARIANT_IMPLS = {
+    "window": {"ours", "ours+mask", "sdpa+mask", "ours causal", "flex"},
+    "softcap": {"ours", "ours plain"},
+    "alibi": {"ours", "ours plain", "sdpa+bias"},
+    "sinks": {"ours", "ours plain"},
+    "varlen": {"ours", "dense same tokens", "padded+mask", "sdpa padded"},
+}
+
+
+def _exact_pairs(variant, r, case_check):
+    """The visible (query, key) pairs of one result row, counted here row by row."""
+    B, H, L = (int(x) for x in r["shape"].split(":")[0].split("x")[:3])
+    causal = r["shape"].endswith(":causal")
+    full = B * H * (L * (L + 1) // 2 if causal else L * L)
+    if variant == "window" and r["impl"] != "ours causal":
+        return B * H * sum(min(i, 16) + 1 for i in range(L))
+    if variant == "varlen" and r["impl"] != "dense same tokens":
+        return H * sum(n * (n + 1) // 2 for n in case_check["seq_lengths"])
+    return full
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANT_ARGS))
+def test_bench_variant_checks_times_and_writes_json(variant, tmp_path):
+    import json
+
+    json_path = tmp_path / f"{variant}.json"
+    rc, out, err = _run("bench", "--variant", variant, "--quick", "--threads", "1", "--rounds", "1",
+                        "--min-run-time", "0.01", *VARIANT_ARGS[variant], "--json", str(json_path))
+    assert rc == 0, out[-2000:] + err[-2000:]
+    saved = json.loads(json_path.read_text())
+    assert saved["variant"] == variant and "CPU kernels: " in saved["ours"], saved["ours"]
+    assert "time/ours" in out and "WRONG" not in out
+    results, checks = saved["results"], saved["checks"]
+    assert len(results) == len(checks) * 2 * len(VARIANT_IMPLS[variant])  # cases x passes x impls
+    assert {r["impl"] for r in results} == VARIANT_IMPLS[variant]
+    for r in results:
+        case_check = next(c for c in checks if c["case"] == r["case"] and c["dtype"] == r["dtype"])
+        assert r["pairs"] == _exact_pairs(variant, r, case_check), r
+        E = int(r["shape"].split(":")[0].split("x")[3])
+        assert r["flops"] == 4 * E * r["pairs"] * (3.5 if r["pass"] == "fwd+bwd" else 1.0), r
+        if r["impl"] == "flex" and r["ms"] is None:  # no flex backward on the CPU: the row says why
+            assert r["pass"] == "fwd+bwd" and r["error"], r
+            continue
+        assert r["ms"] > 0 and r["error"] is None and r["peak_bytes"] is not None, r
+        assert abs(r["gflops"] - r["flops"] / (r["ms"] * 1e6)) <= 1e-9 * r["gflops"], r
+    grads = {"out", "dq", "dk", "dv"} | ({"dsinks"} if variant == "sinks" else set())
+    for c in checks:
+        assert c["ok"] and "ours" in c["impls"], c
+        assert set(c["impls"]["ours"]["rel_err"]) == grads, c
+        assert c["impls"]["ours"]["max_rel_err"] <= c["tol"], c
+    if variant == "varlen":
+        assert sum(checks[0]["seq_lengths"]) == 600 and all(1 <= n <= 200 for n in checks[0]["seq_lengths"])
+    # every target is printed with its value, or why it was not measured
+    assert len(saved["targets"]) >= 2
+    for t in saved["targets"]:
+        assert (t["value"] is None) == (t["met"] is None) and (t["value"] is not None or t["why_not_measured"])
+        assert f"{t['target']}: " in out
 
 
 def test_gpu_benchmark_report_prints_the_saved_h200_run():

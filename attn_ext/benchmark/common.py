@@ -3,7 +3,8 @@
 Nothing here knows about attn_ext itself: shapes, FLOP counts, timing, peak
 memory, error measures, machine description and table formatting.
 
-FLOP convention (the README's "Performance method"):
+FLOP convention of sdpa.py (docs/performance.md; variants.py counts the visible
+pairs exactly instead, see visible_pairs):
     forward  = 4 * B * H * L * S * E   (two matmuls, 2 FLOPs per multiply-add)
     backward = 2.5 * forward            (five matmuls, one recomputes the scores)
     fwd+bwd  = 3.5 * forward
@@ -38,11 +39,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
+import json
 import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
+import tempfile
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -123,6 +128,23 @@ def attention_flops(shape: Shape, pass_: str) -> float:
     return fwd * _PASS_FACTOR[pass_]
 
 
+def visible_pairs(L: int, S: int, causal: bool = False,
+                  window: tuple[int | None, int | None] | None = None) -> int:
+    """Exact number of (query, key) pairs one head of one sequence computes.
+
+    Key j is visible from query i iff i - left <= j <= i + right (top-left
+    aligned, as attn_ext's `window`), right = 0 when causal. The variant
+    benchmarks count FLOPs as 4 * E * (these pairs), not the halved L * S.
+    """
+    left, right = window if window is not None else (None, None)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    i = torch.arange(L, dtype=torch.int64)
+    hi = torch.full_like(i, S - 1) if right is None else (i + right).clamp(max=S - 1)
+    lo = torch.zeros_like(i) if left is None else (i - left).clamp(min=0)
+    return int((hi - lo + 1).clamp(min=0).sum())
+
+
 def parse_dtype(name: str) -> torch.dtype:
     aliases = {"fp32": "float32", "fp64": "float64", "fp16": "float16",
                "bf16": "bfloat16", "half": "float16", "float": "float32",
@@ -158,6 +180,41 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if denom == 0.0:
         return (a - e).norm().item()
     return (a - e).norm().item() / denom
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception in one line, for a table cell or the JSON."""
+    return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+
+
+def forward_backward(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+                     grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(output, *input grads) of one `fn(*inputs).backward(grad)` on fresh leaf copies."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return (out.detach(), *(t.grad for t in leaves))
+
+
+def timed_passes(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
+                 grad: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """The two calls the benchmarks time: "fwd" (under no_grad) and "fwd+bwd".
+
+    fwd+bwd runs `fn` on leaf copies of `inputs` that require grad, backward
+    with `grad`, and drops the input gradients (so the next call allocates them
+    afresh, as a training step does).
+    """
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        fn(*leaves).backward(grad)
+        for t in leaves:
+            t.grad = None
+    return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
 # ----------------------------------------------------------------------------
@@ -427,6 +484,64 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str) -> PeakMem
     raise ValueError(f"peak memory is measured on cpu and cuda devices only, got device {device}")
 
 
+def measure_peaks(passes: dict[str, dict[str, Callable[[], object]]], device: torch.device,
+                  records: dict[str, dict]) -> None:
+    """Peak memory of one call of every function, into records[name]["peak_<pass>"].
+
+    `passes` is {pass: {name: fn}} (see `timed_passes`); a name whose record
+    already has an "error" is skipped, one that raises gets it.
+    """
+    for pass_, fns in passes.items():
+        for name, fn in fns.items():
+            if records[name].get("error") is not None:
+                continue
+            try:
+                fn()  # warm: one-time allocations (thread pools, caches) are not the call's
+                records[name][f"peak_{pass_}"] = peak_memory(fn, device)
+            except Exception as exc:  # noqa: BLE001
+                records[name]["error"] = error_text(exc)
+            gc.collect()
+
+
+def peaks_as_json(records: dict[str, dict]) -> dict[str, dict]:
+    """The peak_* entries (and errors) of `measure_peaks`'s records, as plain dicts."""
+    return {name: {key: (dataclasses.asdict(val) if isinstance(val, PeakMemory) else val)
+                   for key, val in rec.items() if key.startswith("peak_") or (key == "error" and val)}
+            for name, rec in records.items()}
+
+
+def merge_peaks(records: dict[str, dict], saved: dict[str, dict]) -> None:
+    """Put `peaks_as_json` output (e.g. from the memory worker) back into timing records."""
+    for name, rec in records.items():
+        for key, value in saved.get(name, {}).items():
+            if key == "error":
+                rec["error"] = rec["error"] or value
+            else:
+                rec[key] = PeakMemory(**value)
+
+
+def run_memory_worker(module: str, argv: Sequence[str]) -> list | None:
+    """Run `python -m module *argv --memory-worker PATH` in a process started with RSS_ENV.
+
+    The module's main, given --memory-worker, measures peak memory (after
+    prepare_cpu_peak_memory) and writes a JSON list to PATH, which is returned.
+    Returns None (the caller then measures in-process, tensors only) if the
+    child fails.
+    """
+    env = dict(os.environ, **RSS_ENV)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "memory.json")
+        cmd = [sys.executable, "-m", module, *argv,
+               "--threads", str(torch.get_num_threads()), "--memory-worker", path]
+        proc = subprocess.run(cmd, env=env)
+        if proc.returncode == 0 and os.path.exists(path):
+            with open(path) as f:
+                return json.load(f)
+    print(f"note: the memory worker failed (exit {proc.returncode}); peak MB counts "
+          f"PyTorch-allocated tensors only", file=sys.stderr)
+    return None
+
+
 # ----------------------------------------------------------------------------
 # Machine description
 # ----------------------------------------------------------------------------
@@ -530,6 +645,64 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def bench_parser(prog: str | None, description: str, epilog: str, quick_div: int) -> OneLineErrorParser:
+    """An argument parser with the options every benchmark takes (the caller adds
+    its own, then calls `finish_bench_args`)."""
+    p = OneLineErrorParser(prog=prog, description=description, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="float32",
+                   help="comma-separated dtypes (float32, bfloat16, float16, float64)")
+    p.add_argument("--shapes", default=None, help="override the default shape set")
+    p.add_argument("--quick", action="store_true",
+                   help=f"L and S divided by {quick_div} and a short --min-run-time: a smoke test")
+    p.add_argument("--min-run-time", type=float, default=None,
+                   help="seconds of timed calls per measurement (default 1.0, 0.05 with --quick)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved timing rounds across implementations (default 3)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="untimed calls before timing (default 2, 1 with --quick)")
+    p.add_argument("--memory-worker", metavar="PATH", help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--json", metavar="PATH", help="write every result to PATH")
+    p.add_argument("--markdown", action="store_true",
+                   help="also print the table as markdown (for README.md)")
+    return p
+
+
+def finish_bench_args(p: argparse.ArgumentParser, args: argparse.Namespace, argv: Sequence[str] | None,
+                      default_shapes: str, quick_div: int) -> argparse.Namespace:
+    """Fill in what `bench_parser`'s options leave open: args.argv (for the memory
+    worker), the --quick defaults, args.dtypes and args.shape_list (L, S divided
+    by `quick_div` with --quick). A bad dtype or shape is a one-line error."""
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.min_run_time is None:
+        args.min_run_time = 0.05 if args.quick else 1.0
+    try:
+        args.dtypes = [parse_dtype(d) for d in args.dtype.split(",") if d.strip()]
+        args.shape_list = parse_shapes(args.shapes or default_shapes)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.quick:
+        args.shape_list = [s.scaled(quick_div) for s in args.shape_list]
+    return args
+
+
+def timing_note(args: argparse.Namespace) -> str:
+    """How the figures were timed, for the line above a table."""
+    return (f"timing: torch.utils.benchmark.Timer.blocked_autorange, {args.min_run_time} s per "
+            f"measurement in {args.rounds} interleaved rounds, median")
+
+
+def peak_note(device: torch.device) -> str:
+    """What the peak MB figures mean, for the line above a table."""
+    return ("peak MB: extra memory during one call (fwd row: no-grad forward; fwd+bwd row: "
+            "forward+backward incl. grads)"
+            + ("; CPU: max(allocator events, peak RSS growth)" if device.type == "cpu" else ""))
 
 
 class _LineProgress:

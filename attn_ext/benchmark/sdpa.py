@@ -52,15 +52,11 @@ Shape syntax: BxHxLxE[xS<keys>][:causal], comma separated.
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import gc
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -141,14 +137,11 @@ def check_case(impls: dict[str, Callable], q, k, v, grad) -> dict[str, dict]:
     results = {}
     for name, fn in impls.items():
         try:
-            leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-            out = fn(*leaves)
-            out.backward(grad)
-            results[name] = (out.detach(), *(t.grad for t in leaves))
+            results[name] = common.forward_backward(fn, (q, k, v), grad)
         except Exception as exc:  # noqa: BLE001
             if name != "plain":
                 raise
-            results[name] = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+            results[name] = common.error_text(exc)
     ref = results["sdpa"]
     errs = {}
     for name, got in results.items():
@@ -175,31 +168,9 @@ def make_case(shape: common.Shape, dtype: torch.dtype, device: torch.device,
     v = randn(shape.B, shape.H, shape.s, shape.E)
     grad = randn(shape.B, shape.H, shape.L, shape.E)
     impls = make_impls(ours_fn, shape, dtype, device, with_plain=with_plain)
-
-    def make_fwd(fn):
-        def fwd():
-            with torch.no_grad():
-                fn(q, k, v)
-        return fwd
-
-    def make_fwd_bwd(fn):
-        q_g, k_g, v_g = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-
-        def fwd_bwd():
-            out = fn(q_g, k_g, v_g)
-            out.backward(grad)
-            q_g.grad = k_g.grad = v_g.grad = None
-        return fwd_bwd
-
-    passes = {
-        "fwd": {name: make_fwd(fn) for name, fn in impls.items()},
-        "fwd+bwd": {name: make_fwd_bwd(fn) for name, fn in impls.items()},
-    }
+    by_impl = {name: common.timed_passes(fn, (q, k, v), grad) for name, fn in impls.items()}
+    passes = {pass_: {name: p[pass_] for name, p in by_impl.items()} for pass_ in ("fwd", "fwd+bwd")}
     return {"q": q, "k": k, "v": v, "grad": grad, "impls": impls, "passes": passes}
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
 
 
 def run_case(shape: common.Shape, dtype: torch.dtype, device: torch.device,
@@ -230,7 +201,7 @@ def run_case(shape: common.Shape, dtype: torch.dtype, device: torch.device,
                                         rounds=args.rounds, warmup=args.warmup)
         for name, res in timed.items():
             if isinstance(res, BaseException):  # e.g. plain out of memory, a dtype ours lacks
-                records[name]["error"] = records[name]["error"] or _error_text(res)
+                records[name]["error"] = records[name]["error"] or common.error_text(res)
             else:
                 records[name][pass_] = res
     del case
@@ -240,31 +211,9 @@ def run_case(shape: common.Shape, dtype: torch.dtype, device: torch.device,
     return records, check
 
 
-def measure_memory(shape: common.Shape, dtype: torch.dtype, device: torch.device,
-                   ours_fn: Callable, args, records: dict) -> None:
-    """Peak memory of one call per (pass, impl), into records[impl]["peak_<pass>"].
-
-    Runs after all timing (prepare_cpu_peak_memory changes malloc's behaviour).
-    """
-    case = make_case(shape, dtype, device, ours_fn, with_plain=not args.no_plain)
-    for pass_, fns in case["passes"].items():
-        for name, fn in fns.items():
-            if records[name]["error"] is not None:
-                continue
-            try:
-                fn()  # warm: one-time allocations (thread pools, caches) are not the call's
-                records[name][f"peak_{pass_}"] = common.peak_memory(fn, device)
-            except Exception as exc:  # noqa: BLE001
-                records[name]["error"] = _error_text(exc)
-            gc.collect()
-    del case
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measure_all_memory(cases, device, ours_fn, args, all_records=None) -> list[dict]:
-    """Peak memory for every case: [{impl: {"peak_fwd": {...}, ...}}, ...]."""
+    """Peak memory for every case (after all timing: prepare_cpu_peak_memory changes
+    malloc's behaviour): [{impl: {"peak_fwd": {...}, ...}}, ...]."""
     if device.type == "cpu":
         common.prepare_cpu_peak_memory()
     out = []
@@ -273,33 +222,14 @@ def measure_all_memory(cases, device, ours_fn, args, all_records=None) -> list[d
         records = {name: {"error": None} for name in IMPLS}
         if all_records is not None:  # skip what already failed while timing
             records = {n: {"error": r["error"]} for n, r in all_records[i].items()}
-        measure_memory(shape, dtype, device, ours_fn, args, records)
-        out.append({
-            name: {key: (dataclasses.asdict(val) if isinstance(val, common.PeakMemory) else val)
-                   for key, val in rec.items() if key.startswith("peak_") or (key == "error" and val)}
-            for name, rec in records.items()})
+        case = make_case(shape, dtype, device, ours_fn, with_plain=not args.no_plain)
+        common.measure_peaks(case["passes"], device, records)
+        del case
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out.append(common.peaks_as_json(records))
     return out
-
-
-def run_memory_worker(args, stand_in: bool) -> list[dict] | None:
-    """Run measure_all_memory in a child started with common.RSS_ENV.
-
-    Returns None (the caller then measures in-process, tensors only) if the
-    child fails.
-    """
-    env = dict(os.environ, **common.RSS_ENV)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "memory.json")
-        cmd = [sys.executable, "-m", "attn_ext.benchmark.sdpa", *(args.argv or []),
-               "--impl-under-test", "torch" if stand_in else "attn_ext",
-               "--threads", str(torch.get_num_threads()), "--memory-worker", path]
-        proc = subprocess.run(cmd, env=env)
-        if proc.returncode == 0 and os.path.exists(path):
-            with open(path) as f:
-                return json.load(f)
-    print(f"note: the memory worker failed (exit {proc.returncode}); peak MB counts "
-          f"PyTorch-allocated tensors only", file=sys.stderr)
-    return None
 
 
 def to_rows(shape: common.Shape, dtype: torch.dtype, records: list[dict],
@@ -449,49 +379,19 @@ def plot_throughput(rows: list[dict], path: str, title: str) -> None:
 
 
 def parse_args(argv=None, prog=None):
-    p = common.OneLineErrorParser(
-        prog=prog,
-        description="Time attn_ext.scaled_dot_product_attention against PyTorch's SDPA "
-                    "and the plain softmax(QK^T)V, forward and backward.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Shapes: BxHxLxE[xS<keys>][:causal], comma separated, e.g. "
-               "'4x8x1024x64:causal,1x8x4096x64'.\nDefault: " + DEFAULT_SHAPES)
-    p.add_argument("--dtype", default="float32",
-                   help="comma-separated dtypes (float32, bfloat16, float16, float64)")
-    p.add_argument("--shapes", default=None, help="override the default shape set")
-    p.add_argument("--quick", action="store_true",
-                   help=f"L and S divided by {QUICK_L_DIV} and a short --min-run-time: a smoke test")
-    p.add_argument("--min-run-time", type=float, default=None,
-                   help="seconds of timed calls per measurement (default 1.0, 0.05 with --quick)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="interleaved timing rounds across implementations (default 3)")
-    p.add_argument("--warmup", type=int, default=None,
-                   help="untimed calls before timing (default 2, 1 with --quick)")
-    p.add_argument("--memory-worker", metavar="PATH", help=argparse.SUPPRESS)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N)")
+    p = common.bench_parser(
+        prog, "Time attn_ext.scaled_dot_product_attention against PyTorch's SDPA "
+              "and the plain softmax(QK^T)V, forward and backward.",
+        "Shapes: BxHxLxE[xS<keys>][:causal], comma separated, e.g. "
+        "'4x8x1024x64:causal,1x8x4096x64'.\nDefault: " + DEFAULT_SHAPES
+        + "\nThe attention variants (window, softcap, alibi, sinks, varlen): "
+          "python -m attn_ext bench --variant NAME --help", QUICK_L_DIV)
     p.add_argument("--no-plain", action="store_true", help="skip the plain softmax(QK^T)V")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--json", metavar="PATH", help="write every result to PATH")
     p.add_argument("--plot", metavar="PATH", help="draw GFLOP/s against L to this PNG (matplotlib)")
-    p.add_argument("--markdown", action="store_true",
-                   help="also print the table as markdown (for README.md)")
     p.add_argument("--impl-under-test", choices=("auto", "attn_ext", "torch"), default="auto",
                    help="debug: 'torch' times torch SDPA as a stand-in for ours; 'auto' "
                         "(default) falls back to it, loudly, if attn_ext cannot be used")
-    args = p.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    if args.warmup is None:
-        args.warmup = 1 if args.quick else 2
-    if args.min_run_time is None:
-        args.min_run_time = 0.05 if args.quick else 1.0
-    try:
-        args.dtypes = [common.parse_dtype(d) for d in args.dtype.split(",") if d.strip()]
-        args.shape_list = common.parse_shapes(args.shapes or DEFAULT_SHAPES)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.quick:
-        args.shape_list = [s.scaled(QUICK_L_DIV) for s in args.shape_list]
-    return args
+    return common.finish_bench_args(p, p.parse_args(argv), argv, DEFAULT_SHAPES, QUICK_L_DIV)
 
 
 def main(argv=None, prog=None) -> int:
@@ -512,12 +412,8 @@ def main(argv=None, prog=None) -> int:
     print(f"attn_ext attention benchmark on {device.type.upper()}")
     print(common.describe_machine(info))
     print(f"ours: {ours_desc}")
-    print(f"timing: torch.utils.benchmark.Timer.blocked_autorange, {args.min_run_time} s per "
-          f"measurement in {args.rounds} interleaved rounds, median; bwd = (fwd+bwd) - fwd; vs X = X time / ours time (>1: ours faster)")
-    print("peak MB: extra memory during one call (fwd row: no-grad forward; fwd+bwd row: "
-          "forward+backward incl. grads)"
-          + ("; CPU: max(allocator events, peak RSS growth)" if device.type == "cpu" else "")
-          + (" [--quick]" if args.quick else ""))
+    print(f"{common.timing_note(args)}; bwd = (fwd+bwd) - fwd; vs X = X time / ours time (>1: ours faster)")
+    print(common.peak_note(device) + (" [--quick]" if args.quick else ""))
     print(flush=True)
 
     cases = [(s, d) for s in args.shape_list for d in args.dtypes]
@@ -541,16 +437,13 @@ def main(argv=None, prog=None) -> int:
     # timings above ran with the default malloc.
     peaks = None
     if device.type == "cpu":
-        peaks = run_memory_worker(args, stand_in=ours_fn is F.scaled_dot_product_attention)
+        stand_in = ours_fn is F.scaled_dot_product_attention
+        peaks = common.run_memory_worker("attn_ext.benchmark.sdpa", [
+            *args.argv, "--impl-under-test", "torch" if stand_in else "attn_ext"])
     if peaks is None:
         peaks = measure_all_memory(cases, device, ours_fn, args, all_records)
     for (shape, dtype), records, check, case_peaks in zip(cases, all_records, checks, peaks):
-        for name, rec in records.items():
-            for key, value in case_peaks.get(name, {}).items():
-                if key == "error":
-                    rec["error"] = rec["error"] or value
-                else:
-                    rec[key] = common.PeakMemory(**value)
+        common.merge_peaks(records, case_peaks)
         all_rows.extend(to_rows(shape, dtype, list(records.values()), check))
 
     print(render_table(all_rows, checks, with_plain=not args.no_plain, markdown=False))

@@ -25,7 +25,7 @@ void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
 // The forward's products on AMX tiles (VecForwardProducts' interface). Q is
 // kept as bfloat16 rows (the A operand), unscaled: the driver applies the
 // scale to the float32 scores (unscaled()). K^T and V of a (batch, kv head)
-// are packed once into VNNI panels, one per key block, and kept while they fit
+// are packed once into VNNI panels of `panel` keys and kept while they fit
 // (PanelCache). Each row of P is rounded to bfloat16 for P V.
 class AmxForwardProducts {
  public:
@@ -35,14 +35,14 @@ class AmxForwardProducts {
   static constexpr int64_t kRowAlign = 16;  // query blocks are whole A tiles
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
-  AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
-      : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), kv_block_(kv_block),
-        k_panel_(Ep_ / 2 * 2 * kv_block), v_panel_(kv_block / 2 * 2 * Evp_) {
-    cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), kv_block);
+  AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
+      : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), panel_(panel),
+        k_panel_(Ep_ / 2 * 2 * panel), v_panel_(panel / 2 * 2 * Evp_) {
+    cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), panel);
     cache_.on = (k_panel_ + v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
     const int64_t slots = cache_.on ? cache_.blocks : 1;
     qa_.resize(q_block * Ep_);
-    pa_.resize(q_block * kv_block);
+    pa_.resize(q_block * cols);
     kv_.resize(k_panel_ * slots);
     if (p.v != nullptr) vv_.resize(v_panel_ * slots);
     amx::configure_tiles();
@@ -60,16 +60,19 @@ class AmxForwardProducts {
     zero_rows(qa_.data(), Ep_, m, mp_);
   }
 
+  // S = Q K[j0, j0 + n)^T, a product per panel (j0 on a panel boundary).
   void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
-    uint16_t* kv = kv_.data() + slot * k_panel_;
-    if (!cache_.packed(cache_.k, slot)) {
-      // The whole block, whatever part of it this query block sees (the panel is reused).
-      const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
-      amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0), E_, Ep_, kv_block_);
-      cache_.mark(cache_.k, slot);
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      uint16_t* kv = kv_.data() + slot * k_panel_;
+      if (!cache_.packed(cache_.k, slot)) {
+        // The whole panel, whatever part of it this query block sees (the panel is reused).
+        const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0 + c);
+        amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0 + c), E_, Ep_, panel_);
+        cache_.mark(cache_.k, slot);
+      }
+      amx::gemm(mp_, std::min(panel_, ld - c), Ep_, qa_.data(), Ep_, kv, 2 * panel_, st + c, ld, false);
     }
-    amx::gemm(mp_, ld, Ep_, qa_.data(), Ep_, kv, 2 * kv_block_, st, ld, false);
   }
 
   // Row r of P, rounded to bfloat16 while it is in L1 (the A operand of P V).
@@ -80,22 +83,24 @@ class AmxForwardProducts {
 
   void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const int64_t n32 = round_up(n, 32);
-    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
-    uint16_t* vv = vv_.data() + slot * v_panel_;
-    if (!cache_.packed(cache_.v, slot)) {
-      const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0);
-      amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0), p_->Ev, kv_block_, Evp_);
-      cache_.mark(cache_.v, slot);
-    }
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
-    amx::gemm(mp_, Evp_, n32, pa_.data(), n32, vv, 2 * Evp_, ot, Evp_, true);
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      uint16_t* vv = vv_.data() + slot * v_panel_;
+      if (!cache_.packed(cache_.v, slot)) {
+        const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0 + c);
+        amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0 + c), p_->Ev, panel_, Evp_);
+        cache_.mark(cache_.v, slot);
+      }
+      amx::gemm(mp_, Evp_, std::min(panel_, n32 - c), pa_.data() + c, n32, vv, 2 * Evp_, ot, Evp_, true);
+    }
   }
 
  private:
-  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_->S - j0); }
+  int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
 
   const AttnParams* p_;
-  const int64_t E_, Ep_, Evp_, kv_block_, k_panel_, v_panel_;
+  const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
   PanelCache cache_;
   int64_t m_ = 0, mp_ = 0;
   Buffer<uint16_t> qa_, pa_, kv_, vv_;

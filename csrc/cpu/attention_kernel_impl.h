@@ -368,6 +368,10 @@ inline void load_row(T* dst, const scalar_t* src, int64_t n, int64_t stride, T m
         (lo * vmul).store(dst + e);
         (hi * vmul).store(dst + e + Vf::size());
       }
+    } else if constexpr (std::is_same_v<T, scalar_t>) {  // a vector at a time (the compiler keeps this loop scalar)
+      using Vec = Vectorized<T>;
+      const Vec vmul(mul);
+      for (; e + Vec::size() <= n; e += Vec::size()) (Vec::loadu(src + e) * vmul).store(dst + e);
     }
     for (; e < n; ++e) dst[e] = static_cast<T>(src[e]) * mul;
   } else {
@@ -379,7 +383,15 @@ inline void load_row(T* dst, const scalar_t* src, int64_t n, int64_t stride, T m
 // dst[e * stride] = src[e] * mul for e < n.
 template <typename scalar_t, typename T>
 inline void store_row(scalar_t* dst, int64_t stride, const T* src, int64_t n, T mul) {
-  for (int64_t e = 0; e < n; ++e) dst[e * stride] = static_cast<scalar_t>(src[e] * mul);
+  int64_t e = 0;
+  if constexpr (std::is_same_v<T, scalar_t>) {
+    if (stride == 1) {
+      using Vec = Vectorized<T>;
+      const Vec vmul(mul);
+      for (; e + Vec::size() <= n; e += Vec::size()) (Vec::loadu(src + e) * vmul).store(dst + e);
+    }
+  }
+  for (; e < n; ++e) dst[e * stride] = static_cast<scalar_t>(src[e] * mul);
 }
 
 // Packs rows [j0, j0 + n) of a (rows, dim) matrix with strides (rs, cs)
@@ -554,20 +566,22 @@ class VecForwardProducts {
   static constexpr int64_t kRowAlign = kGemmRows;           // query blocks are a multiple of this
   static T unscaled(const AttnParams&) { return T(1); }     // scores() scales (Q is scaled)
 
-  VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t kv_block)
-      : p_(&p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), kv_block_(kv_block),
-        blocks_(ceil_div(std::max<int64_t>(p.S, 1), kv_block)),
+  // Panels of `panel` keys (the packing and caching unit); a score tile spans up
+  // to `cols` keys, whole panels from a panel boundary.
+  VecForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t /*cols*/)
+      : p_(&p), E_(p.E), Ev_(p.Ev), Evp_(round_up(p.Ev, kCols)), panel_(panel),
+        blocks_(ceil_div(std::max<int64_t>(p.S, 1), panel)),
         v_direct_(p.probs == nullptr && std::is_same_v<scalar_t, T> && p.v_stride[3] == 1 && p.Ev % kCols == 0) {
     const int64_t E1 = std::max<int64_t>(E_, 1);
     const bool pack_v = !v_direct_ && p.probs == nullptr;
-    const int64_t panels = E1 * kv_block + (pack_v ? kv_block * Evp_ : 0);
+    const int64_t panels = E1 * panel + (pack_v ? panel * Evp_ : 0);
     cache_.on = panels * blocks_ * int64_t(sizeof(T)) <= kKeyCacheBytes;
     cache_.blocks = blocks_;
     const int64_t slots = cache_.on ? blocks_ : 1;
     qt_.resize(q_block * E1);
-    kt_.resize(E1 * kv_block * slots);
+    kt_.resize(E1 * panel * slots);
     krow_.resize(E1);
-    if (pack_v) vt_.resize(kv_block * Evp_ * slots);
+    if (pack_v) vt_.resize(panel * Evp_ * slots);
   }
 
   int64_t out_ld() const { return Evp_; }
@@ -583,20 +597,24 @@ class VecForwardProducts {
       load_row(qt_.data() + r * E_, q_rows + r * p_->q_stride[2], E_, p_->q_stride[3], static_cast<T>(p_->scale), E_);
   }
 
-  // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk.
+  // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk;
+  // j0 on a panel boundary, a product per panel.
   void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0);
     if (m_ <= kDirectRows) {  // decoding: read each key row in place
-      score_rows_direct(st, ld, n, k_tile);
+      score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
     }
-    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
-    T* kt = kt_.data() + slot * E_ * kv_block_;
-    if (!cache_.packed(cache_.k, slot)) {  // the whole block: a cached panel serves every query block
-      pack_transposed(kt, kv_block_, k_tile, p_->k_stride[2], p_->k_stride[3], keys_in(j0), E_);
-      cache_.mark(cache_.k, slot);
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      T* kt = kt_.data() + slot * E_ * panel_;
+      if (!cache_.packed(cache_.k, slot)) {  // the whole panel: a cached panel serves every query block
+        const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0 + c);
+        pack_transposed(kt, panel_, k_tile, p_->k_stride[2], p_->k_stride[3], keys_in(j0 + c), E_);
+        cache_.mark(cache_.k, slot);
+      }
+      const int64_t w = std::min(panel_, ld - c);  // the last panel's columns up to ld
+      gemm<T>(m_, w, E_, T(1), qt_.data(), E_, 1, kt, panel_, false, st + c, ld);
     }
-    gemm<T>(m_, ld, E_, T(1), qt_.data(), E_, 1, kt, kv_block_, false, st, ld);
   }
 
   // Row r of P is final (add_pv follows once every row is): at::vec reads P in place.
@@ -608,18 +626,20 @@ class VecForwardProducts {
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
     }
-    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / kv_block_);
-    T* vt = vt_.data() + slot * kv_block_ * Evp_;
-    if (!cache_.packed(cache_.v, slot)) {
-      for (int64_t j = 0; j < keys_in(j0); ++j)
-        load_row(vt + j * Evp_, v_tile + j * p_->v_stride[2], Ev_, p_->v_stride[3], T(1), Evp_);
-      cache_.mark(cache_.v, slot);
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      T* vt = vt_.data() + slot * panel_ * Evp_;
+      if (!cache_.packed(cache_.v, slot)) {
+        for (int64_t j = 0; j < keys_in(j0 + c); ++j)
+          load_row(vt + j * Evp_, v_tile + (c + j) * p_->v_stride[2], Ev_, p_->v_stride[3], T(1), Evp_);
+        cache_.mark(cache_.v, slot);
+      }
+      gemm<T>(m_, Evp_, std::min(panel_, n - c), T(1), pt + c, ld, 1, vt, Evp_, true, ot, Evp_);
     }
-    gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, vt, Evp_, true, ot, Evp_);
   }
 
  private:
-  int64_t keys_in(int64_t j0) const { return std::min(kv_block_, p_->S - j0); }
+  int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
 
   void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
     for (int64_t j = 0; j < n; ++j) {
@@ -634,7 +654,7 @@ class VecForwardProducts {
   }
 
   const AttnParams* p_;
-  const int64_t E_, Ev_, Evp_, kv_block_, blocks_;
+  const int64_t E_, Ev_, Evp_, panel_, blocks_;
   const bool v_direct_;
   PanelCache cache_;
   int64_t m_ = 0;
@@ -739,13 +759,18 @@ void forward_driver(const AttnParams& p) {
   // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
   const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
   const int64_t n_qblocks = ceil_div(p.L, q_block);  // of the longest sequence when packed
-  const int64_t kv_block = round_up(std::min(windowed_kv_block(p, tiles.kv, q_block), std::max<int64_t>(p.S, 1)),
-                                    Products::kKeyAlign);
+  // Keys are packed (and cached) in panels of `panel`; a score tile spans up to
+  // kv_block keys, whole panels: with a window, the few panels a query block
+  // sees make one tile (one online-softmax step) instead of one each.
+  const int64_t panel = round_up(std::min(windowed_kv_block(p, tiles.kv, q_block), std::max<int64_t>(p.S, 1)),
+                                 Products::kKeyAlign);
+  const int64_t kv_block = std::max(panel, std::min(tiles.kv, round_up(std::max<int64_t>(p.S, 1), panel)) /
+                                               panel * panel);
   const Dropout<T> drop(p);
   const bool write_probs = p.probs != nullptr;
 
   at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
-    Products products(p, q_block, kv_block);
+    Products products(p, q_block, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
     const T unscaled = Products::unscaled(p);  // scores() leaves S divided by this
@@ -764,8 +789,8 @@ void forward_driver(const AttnParams& p) {
       products.bind(ps);
       const int64_t hk = h / group;
       const int64_t m = std::min(q_block, ps.L - i0);
-      // The block's rows see keys in [kv_begin, kv_end); key blocks stay on the kv_block grid (cached panels).
-      const int64_t kv_begin = visible_key_range(ps, i0).begin / kv_block * kv_block;
+      // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached panels).
+      const int64_t kv_begin = visible_key_range(ps, i0).begin / panel * panel;
       const int64_t kv_end = visible_key_range(ps, i0 + m - 1).end;
 
       products.load_q(b, h, i0, m);
@@ -1063,8 +1088,8 @@ void backward_driver(const AttnBwdParams& p) {
 
         for (int64_t g = 0; g < group && rows.end > rows.begin; ++g) {
           const int64_t h = hk * group + g;
-          for (int64_t i0 = rows.begin / q_block * q_block; i0 < rows.end; i0 += q_block) {
-            const int64_t m = std::min(q_block, ps.L - i0);
+          for (int64_t i0 = rows.begin; i0 < rows.end; i0 += q_block) {  // the rows that see the keys, no more
+            const int64_t m = std::min(q_block, rows.end - i0);
             products.load_q(b, h, i0, m);
             // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
             products.scores(pt.data());

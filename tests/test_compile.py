@@ -138,3 +138,32 @@ def test_varlen_compiles_with_fullgraph(device):
     loss = lambda out_lse: (out_lse[0] * 2).sum() + torch.nan_to_num(out_lse[1], neginf=0.0).sum()  # noqa: E731
     for a, b in zip(torch.autograd.grad(loss(got), leaves), torch.autograd.grad(loss(eager), leaves)):
         assert rel_err(a, b) < 1e-6
+
+
+def test_variants_and_varlen_export_keep_the_operators_in_the_graph(device):
+    class Variants(torch.nn.Module):
+        def forward(self, q, k, v, bias, slopes, sinks):
+            return _variants(q, k, v, bias, slopes, sinks)
+
+    class Packed(torch.nn.Module):
+        def forward(self, q, k, v, cu_q, cu_k, sinks):
+            return _packed(q, k, v, cu_q, cu_k, sinks)
+
+    gen = make_generator(5)
+    q, k, v = _qkv(device, requires_grad=False)
+    bias = torch.randn(33, 47, generator=gen).to(device)
+    slopes = (torch.rand(2, 4, generator=gen) * 0.1).to(device)
+    sinks = torch.randn(4, generator=gen).to(device)
+    lens_q, lens_k = [5, 0, 9, 3], [7, 2, 11, 3]
+    packed = (torch.randn(sum(lens_q), 4, 16, generator=gen).to(device),
+              torch.randn(sum(lens_k), 2, 16, generator=gen).to(device),
+              torch.randn(sum(lens_k), 2, 8, generator=gen).to(device),
+              torch.tensor([0] + lens_q).cumsum(0).to(device, torch.int32),
+              torch.tensor([0] + lens_k).cumsum(0).to(device, torch.int32), sinks)
+    for module, args, op in ((Variants(), (q, k, v, bias, slopes, sinks), "attn_ext.attention_forward"),
+                             (Packed(), packed, "attn_ext.varlen_forward")):
+        exported = torch.export.export(module, args)
+        targets = [str(n.target) for n in exported.graph.nodes if n.op == "call_function"]
+        assert any(op in t for t in targets), targets
+        for a, b in zip(exported.module()(*args), module(*args)):
+            assert rel_err(a, b) < 1e-6

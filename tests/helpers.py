@@ -193,10 +193,9 @@ def low_precision_leaf(t):
 # --------------------------------------------------------------------------- errors
 
 
-def rel_err(got, ref):
-    """||got - ref|| / ||ref|| in float64; the absolute error if ref is all zero.
-
-    -inf entries (log-sum-exp of fully masked rows) must coincide and are left out."""
+def _comparable(got, ref):
+    """(got, ref) in float64 with the -inf entries both have (log-sum-exp of fully masked
+    rows) set to 0; 0.0 when empty; inf for a NaN or an infinity in one but not the other."""
     got = got.detach().to(torch.float64)
     ref = ref.detach().to(torch.float64)
     assert got.shape == ref.shape, (got.shape, ref.shape)
@@ -206,7 +205,18 @@ def rel_err(got, ref):
     got = torch.where(both_neg_inf, torch.zeros_like(got), got)
     ref = torch.where(both_neg_inf, torch.zeros_like(ref), ref)
     if not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
-        return math.inf  # a NaN, or an infinity in one but not the other
+        return math.inf
+    return got, ref
+
+
+def rel_err(got, ref):
+    """||got - ref|| / ||ref|| in float64; the absolute error if ref is all zero.
+
+    -inf entries (log-sum-exp of fully masked rows) must coincide and are left out."""
+    pair = _comparable(got, ref)
+    if not isinstance(pair, tuple):
+        return pair
+    got, ref = pair
     diff = (got - ref).norm().item()
     denom = ref.norm().item()
     return diff / denom if denom > 0 else diff
@@ -225,16 +235,10 @@ MAX_ERR_FACTOR = 4.0
 def max_abs_err(got, ref):
     """max |got - ref| / max |ref| in float64 (the absolute max if ref is all zero);
     -inf entries must coincide and are left out, as in :func:`rel_err`."""
-    got = got.detach().to(torch.float64)
-    ref = ref.detach().to(torch.float64)
-    assert got.shape == ref.shape, (got.shape, ref.shape)
-    if got.numel() == 0:
-        return 0.0
-    both_neg_inf = torch.isneginf(got) & torch.isneginf(ref)
-    got = torch.where(both_neg_inf, torch.zeros_like(got), got)
-    ref = torch.where(both_neg_inf, torch.zeros_like(ref), ref)
-    if not (torch.isfinite(got).all() and torch.isfinite(ref).all()):
-        return math.inf
+    pair = _comparable(got, ref)
+    if not isinstance(pair, tuple):
+        return pair
+    got, ref = pair
     diff = (got - ref).abs().max().item()
     denom = ref.abs().max().item()
     return diff / denom if denom > 0 else diff

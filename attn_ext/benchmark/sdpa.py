@@ -52,7 +52,6 @@ Shape syntax: BxHxLxE[xS<keys>][:causal], comma separated.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -205,9 +204,7 @@ def run_case(shape: common.Shape, dtype: torch.dtype, device: torch.device,
             else:
                 records[name][pass_] = res
     del case
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    common.release_memory(device)
     return records, check
 
 
@@ -225,9 +222,7 @@ def measure_all_memory(cases, device, ours_fn, args, all_records=None) -> list[d
         case = make_case(shape, dtype, device, ours_fn, with_plain=not args.no_plain)
         common.measure_peaks(case["passes"], device, records)
         del case
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        common.release_memory(device)
         out.append(common.peaks_as_json(records))
     return out
 

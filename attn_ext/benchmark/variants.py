@@ -361,9 +361,7 @@ def measure_all_memory(cases, device, args) -> list[dict]:
         records = {name: {"error": None} for name in case.impls}
         common.measure_peaks(passes_of(case), device, records)
         del case
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        common.release_memory(device)
         out.append(common.peaks_as_json(records))
     return out
 

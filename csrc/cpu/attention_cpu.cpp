@@ -95,6 +95,18 @@ Variants variants_of(std::optional<int64_t> window_left, std::optional<int64_t> 
   return v;
 }
 
+// The forward of every op: the variants described in p, the outputs allocated
+// (make_forward_outputs), the kernel run. Returns {out or probs, lse}.
+std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,
+                                               const std::optional<at::Tensor>& dropout_seed) {
+  describe_variants(p, variants, query);
+  auto [result, lse] = make_forward_outputs(p, query, probs);
+  if (lse.numel() == 0) return {result, lse};
+  read_seed(p, dropout_seed);
+  cpu::attention_forward(p);
+  return {result, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query,   // (B, Hq, L, E)
     const at::Tensor& key,     // (B, Hkv, S, E)
@@ -107,12 +119,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  describe_variants(p, variants, query);
-  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
-  if (lse.numel() == 0) return {out, lse};
-  read_seed(p, dropout_seed);
-  cpu::attention_forward(p);
-  return {out, lse};
+  return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
@@ -154,12 +161,7 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  describe_variants(p, variants, query);
-  auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
-  if (lse.numel() == 0) return {probs, lse};
-  read_seed(p, dropout_seed);
-  cpu::attention_forward(p);
-  return {probs, lse};
+  return run_forward(p, variants, query, /*probs=*/true, dropout_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
@@ -201,12 +203,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cpu(
   AttnParams p = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p, is_causal, bottom_right, scale, dropout_seed, cu);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  describe_variants(p, variants, query);
-  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
-  if (lse.numel() == 0) return {out, lse};
-  read_seed(p, dropout_seed);
-  cpu::attention_forward(p);
-  return {out, lse};
+  return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_backward_cpu(

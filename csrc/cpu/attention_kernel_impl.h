@@ -305,26 +305,34 @@ inline Vectorized<float> fast_max<float>(const Vectorized<float>& x, const Vecto
 // tanh for the softcap, with FastExp: below |y| = 0.55 tanh's odd Taylor series
 // through y^17 (truncation < 2e-8 relative), above it (e - 1) / (e + 1) with
 // e = exp(2|y|) and the sign restored (|y| clamped at 9, where tanh is 1 in
-// float). About a third of the instructions of at::vec's tanh, which made a
-// softcapped forward twice as slow as a plain one. NaN stays NaN. Where FastExp
-// is at::vec's exp (DEFAULT, float64), at::vec's tanh.
+// float). On AVX-512 a vector whose |y| are all below 0.55 (the usual case: a
+// softcap well above the scores) skips the exponential and the division, which
+// cost as much as the rest of the forward (Xeon, 4x8x1024x64 causal float32:
+// softcap 0.52x -> 0.91x the plain kernel). NaN stays NaN. Where FastExp is
+// at::vec's exp (DEFAULT, float64), at::vec's tanh.
 template <typename T>
 inline Vectorized<T> fast_tanh(const Vectorized<T>& y) {
   using Vec = Vectorized<T>;
   if constexpr (!FastExp<T>::base2) {
     return y.tanh();
   } else {
-    const Vec a = y.abs();
-    const Vec e = FastExp<T>::apply(at::vec::minimum(a, Vec(T(9))) * Vec(T(2 * 1.4426950408889634)));
-    const Vec big = (e - Vec(T(1))) / (e + Vec(T(1)));
     const Vec y2 = y * y;
     constexpr double kTaylor[] = {6404582.0 / 10854718875.0, -929569.0 / 638512875.0, 21844.0 / 6081075.0,
                                   -1382.0 / 155925.0,        62.0 / 2835.0,          -17.0 / 315.0,
                                   2.0 / 15.0,                -1.0 / 3.0,             1.0};
     Vec poly(static_cast<T>(kTaylor[0]));
     for (int c = 1; c < 9; ++c) poly = at::vec::fmadd(poly, y2, Vec(static_cast<T>(kTaylor[c])));
+    const Vec small = y * poly;
+    const Vec a = y.abs();
+#if defined(CPU_CAPABILITY_AVX512)
+    // the usual softcap: every |score| below 0.55 softcap, no exponential, no division
+    const __mmask16 large = _mm512_cmp_ps_mask(SimdF(a), _mm512_set1_ps(0.55f), _CMP_NLT_UQ);
+    if (large == 0) return small;
+#endif
+    const Vec e = FastExp<T>::apply(at::vec::minimum(a, Vec(T(9))) * Vec(T(2 * 1.4426950408889634)));
+    const Vec big = (e - Vec(T(1))) / (e + Vec(T(1)));
     const Vec signed_big = Vec::blendv(big, Vec(T(0)) - big, y < Vec(T(0)));
-    return Vec::blendv(signed_big, y * poly, a < Vec(T(0.55)));
+    return Vec::blendv(signed_big, small, a < Vec(T(0.55)));
   }
 }
 

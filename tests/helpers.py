@@ -520,11 +520,16 @@ def run_backward_case(query, key, value, attn_mask=None, is_causal=False, scale=
     for name, t, a, e, b in zip(names, inputs, got, expected, baseline):
         if t is None or not t.requires_grad:
             continue
-        assert a is not None, f"{name} is None"
-        assert a.shape == t.shape, f"{name} shape {tuple(a.shape)} != {tuple(t.shape)}"
-        assert a.dtype == t.dtype, f"{name} dtype {a.dtype} != {t.dtype}"
+        assert_grad_like(name, a, t)
         assert_close_by_rule(name, a, e, b, dtype)
     return got
+
+
+def assert_grad_like(name, grad, t):
+    """The gradient of ``t`` exists and has its shape and dtype."""
+    assert grad is not None, f"{name} is None"
+    assert grad.shape == t.shape, f"{name} shape {tuple(grad.shape)} != {tuple(t.shape)}"
+    assert grad.dtype == t.dtype, f"{name} dtype {grad.dtype} != {t.dtype}"
 
 
 # --------------------------------------------------------------------------- variants

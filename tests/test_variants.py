@@ -19,6 +19,7 @@ import torch
 
 from helpers import (
     assert_close_by_rule,
+    assert_grad_like,
     assert_max_abs_by_rule,
     assert_sum_close_by_rule,
     attention_probs_reference,
@@ -213,9 +214,7 @@ def check_backward(q, k, v, mask, kw, seed=0, lse_weight=False):
     for name, x, a, e, b in zip(names, inputs, got, expected, baseline):
         if x is None or not x.requires_grad:
             continue
-        assert a is not None, f"{name} is None"
-        assert a.shape == x.shape, f"{name} shape {tuple(a.shape)} != {tuple(x.shape)}"
-        assert a.dtype == x.dtype, f"{name} dtype {a.dtype} != {x.dtype}"
+        assert_grad_like(name, a, x)
         if name == "grad sinks":
             # d loss / d sink = sum over the head's rows of p_sink * (w - g . out)
             with torch.no_grad():

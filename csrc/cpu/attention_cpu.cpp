@@ -107,6 +107,34 @@ std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants
   return {result, lse};
 }
 
+// The backward of the ops with a value (attention_backward, varlen_backward):
+// the variants and grad_out described in p, every gradient allocated, the
+// kernel run, the mask's and the sinks' gradients summed.
+struct ValueGrads {
+  BwdOutputs o;
+  at::Tensor grad_value, grad_sinks;
+};
+ValueGrads run_value_backward(AttnBwdParams& p, Variants& variants, const at::Tensor& query, const at::Tensor& key,
+                              const at::Tensor& value, const at::Tensor& grad_out, const at::Tensor& out,
+                              const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
+                              const std::optional<at::Tensor>& attn_mask,
+                              const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+  describe_variants(p, variants, query);
+  describe_grad_output(p, grad_out, out, query);
+  ValueGrads g;
+  g.o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
+  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
+  g.grad_value = at::empty(value.sizes(), value.options());
+  if (p.B > 0 && p.Hq > 0) {
+    p.dv = g.grad_value.data_ptr();
+    copy_strides(p.dv_stride, g.grad_value);
+    cpu::attention_backward(p);
+  }
+  if (compute_grad_mask) g.o.grad_mask = sum_grad_mask_copies(g.o.mask_buffer, *attn_mask);
+  g.grad_sinks = grad_sinks_from(dsinks, variants, query);
+  return g;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& query,   // (B, Hq, L, E)
     const at::Tensor& key,     // (B, Hkv, S, E)
@@ -138,18 +166,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  describe_variants(p, variants, query);
-  describe_grad_output(p, grad_out, out, query);
-  BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
-  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
-  at::Tensor grad_value = at::empty(value.sizes(), value.options());
-  if (p.B > 0 && p.Hq > 0) {
-    p.dv = grad_value.data_ptr();
-    copy_strides(p.dv_stride, grad_value);
-    cpu::attention_backward(p);
-  }
-  if (compute_grad_mask) o.grad_mask = sum_grad_mask_copies(o.mask_buffer, *attn_mask);
-  return {o.grad_query, o.grad_key, grad_value, o.grad_mask, grad_sinks_from(dsinks, variants, query)};
+  ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, attn_mask,
+                                    dropout_seed, compute_grad_mask);
+  return {g.o.grad_query, g.o.grad_key, g.grad_value, g.o.grad_mask, g.grad_sinks};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
@@ -224,17 +243,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_backward_cpu(
                                                    max_seqlen_k, dropout_p, is_causal, bottom_right, scale,
                                                    dropout_seed, cu);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  describe_variants(p, variants, query);
-  describe_grad_output(p, grad_out, out, query);
-  BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, std::nullopt, dropout_seed, false);
-  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
-  at::Tensor grad_value = at::empty(value.sizes(), value.options());
-  if (p.B > 0 && p.Hq > 0) {
-    p.dv = grad_value.data_ptr();
-    copy_strides(p.dv_stride, grad_value);
-    cpu::attention_backward(p);
-  }
-  return {o.grad_query, o.grad_key, grad_value, grad_sinks_from(dsinks, variants, query)};
+  ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, std::nullopt,
+                                    dropout_seed, false);
+  return {g.o.grad_query, g.o.grad_key, g.grad_value, g.grad_sinks};
 }
 
 }  // namespace

@@ -13,14 +13,10 @@ from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from .masks import mha_mask
+from .masks import _fmt, mha_mask
 from .ops import _window_sides, attention_and_probs, scaled_dot_product_attention, varlen_attention
 
 __all__ = ["KVCache", "MultiHeadAttention", "convert_attention"]
-
-
-def _fmt(shape):
-    return "(" + ", ".join(str(s) for s in shape) + (",)" if len(shape) == 1 else ")")
 
 
 class KVCache:

@@ -31,6 +31,19 @@ struct Variants {
   }
 };
 
+// The variants as the operators receive them.
+inline Variants variants_of(std::optional<int64_t> window_left, std::optional<int64_t> window_right,
+                            std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
+                            const std::optional<at::Tensor>& sinks) {
+  Variants v;
+  v.window_left = window_left;
+  v.window_right = window_right;
+  v.softcap = softcap;
+  v.alibi_slopes = alibi_slopes;
+  v.sinks = sinks;
+  return v;
+}
+
 // Checks the variants against the batch and heads of `p` and fills their fields.
 void describe_variants(AttnParams& p, Variants& variants, const at::Tensor& query);
 

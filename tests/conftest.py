@@ -10,6 +10,11 @@ import torch
 
 KERNEL_TESTS = {"test_sdpa_forward", "test_sdpa_backward", "test_tiling", "test_dropout", "test_probs",
                 "test_reference", "test_variants", "test_varlen"}
+# Modules whose every test needs what the CUDA kernels do not have yet (see
+# helpers.CUDA_LACKS_VARIANTS): their CUDA variants are skipped with that reason.
+CUDA_LACKS = {"test_variants", "test_varlen"}
+# Tests of the float64 reference's own definitions (no kernel runs): the CPU is enough.
+CPU_ONLY = {"test_reference_variants"}
 
 
 def _cpu_variants():
@@ -19,15 +24,23 @@ def _cpu_variants():
     return info["cpu_isas"].split(), set(info["cpu_isas_supported"].split())
 
 
-def _cuda_param():
+def _cuda_param(module):
+    if module in CUDA_LACKS:
+        from helpers import CUDA_LACKS_VARIANTS
+
+        return pytest.param("cuda", marks=pytest.mark.skip(reason=CUDA_LACKS_VARIANTS))
     return pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"))
 
 
 def pytest_generate_tests(metafunc):
     if "device" not in metafunc.fixturenames:
         return
+    module = metafunc.module.__name__.rsplit(".", 1)[-1]
     params = ["cpu"]
-    if metafunc.module.__name__.rsplit(".", 1)[-1] in KERNEL_TESTS:
+    if module in CPU_ONLY:
+        metafunc.parametrize("device", params, indirect=True)
+        return
+    if module in KERNEL_TESTS:
         compiled, supported = _cpu_variants()
         params = [
             pytest.param(f"cpu-{isa}", id=f"cpu-{isa}",
@@ -36,7 +49,7 @@ def pytest_generate_tests(metafunc):
                                                          f"(it runs: {' '.join(sorted(supported))})"))
             for isa in compiled
         ]
-    metafunc.parametrize("device", params + [_cuda_param()], indirect=True)
+    metafunc.parametrize("device", params + [_cuda_param(module)], indirect=True)
 
 
 @pytest.fixture

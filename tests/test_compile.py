@@ -3,7 +3,7 @@
 import torch
 
 import attn_ext
-from helpers import make_generator, rel_err
+from helpers import make_generator, rel_err, skip_cuda_variants
 
 
 def _qkv(device, dtype=torch.float32, requires_grad=True):
@@ -95,6 +95,7 @@ def _variants(q, k, v, bias, slopes, sinks):
 
 
 def test_variants_compile_with_fullgraph(device):
+    skip_cuda_variants(device)
     torch._dynamo.reset()
     q, k, v = _qkv(device)
     gen = make_generator(3)
@@ -121,6 +122,7 @@ def _packed(q, k, v, cu_q, cu_k, sinks):
 
 
 def test_varlen_compiles_with_fullgraph(device):
+    skip_cuda_variants(device)
     torch._dynamo.reset()
     gen = make_generator(4)
     lens_q, lens_k = [5, 0, 9, 3], [7, 2, 11, 3]
@@ -141,6 +143,7 @@ def test_varlen_compiles_with_fullgraph(device):
 
 
 def test_variants_and_varlen_export_keep_the_operators_in_the_graph(device):
+    skip_cuda_variants(device)
     class Variants(torch.nn.Module):
         def forward(self, q, k, v, bias, slopes, sinks):
             return _variants(q, k, v, bias, slopes, sinks)

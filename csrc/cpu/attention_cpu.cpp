@@ -83,18 +83,6 @@ at::Tensor grad_sinks_from(const at::Tensor& buffer, const Variants& variants, c
   return buffer.sum(0).to(variants.sinks->scalar_type());
 }
 
-Variants variants_of(std::optional<int64_t> window_left, std::optional<int64_t> window_right,
-                     std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::optional<at::Tensor>& sinks) {
-  Variants v;
-  v.window_left = window_left;
-  v.window_right = window_right;
-  v.softcap = softcap;
-  v.alibi_slopes = alibi_slopes;
-  v.sinks = sinks;
-  return v;
-}
-
 // The forward of every op: the variants described in p, the outputs allocated
 // (make_forward_outputs), the kernel run. Returns {out or probs, lse}.
 std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,

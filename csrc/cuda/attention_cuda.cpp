@@ -314,12 +314,48 @@ TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
   m.def("tensor_core_reason(Tensor query, Tensor key, Tensor value) -> str");
 }
 
+// Packed batches (varlen_attention) have no CUDA kernel yet: the inputs are
+// checked as on the CPU (so a bad cu_seqlens is named the same way), then the
+// call is refused rather than padded behind the user's back.
+std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(
+    const at::Tensor& query,         // (total_q, Hq, E)
+    const at::Tensor& key,           // (total_k, Hkv, E)
+    const at::Tensor& value,         // (total_k, Hkv, Ev)
+    const at::Tensor& cu_seqlens_q,  // (B + 1,) int32/int64
+    const at::Tensor& cu_seqlens_k,  // (B + 1,)
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double dropout_p, bool is_causal, bool bottom_right, double scale,
+    const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
+    std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  PackedSeqlens cu;
+  AttnParams p = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    dropout_p, is_causal, bottom_right, scale, dropout_seed, cu);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "attn_ext: varlen_attention (packed batches) is not implemented in the CUDA "
+                              "kernels of this build yet; the CPU kernels take it");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    double dropout_p, bool is_causal, bool bottom_right, double scale, const std::optional<at::Tensor>& dropout_seed,
+    std::optional<int64_t> window_left, std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  varlen_forward_cuda(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
+                      bottom_right, scale, dropout_seed, window_left, window_right, softcap, alibi_slopes, sinks);
+  return {};  // not reached: the forward refuses
+}
+
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_forward", &attention_forward_cuda);
   m.impl("attention_backward", &attention_backward_cuda);
   m.impl("attention_probs", &attention_probs_cuda);
   m.impl("attention_probs_backward", &attention_probs_backward_cuda);
   m.impl("tensor_core_reason", &tensor_core_reason);
+  m.impl("varlen_forward", &varlen_forward_cuda);
+  m.impl("varlen_backward", &varlen_backward_cuda);
 }
 
 }  // namespace attn_ext

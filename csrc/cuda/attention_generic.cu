@@ -318,9 +318,14 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
         tile_max = group_max<C::kTx>(tile_max);
         const T m_new = max(row_m[r], tile_max);
         T correction = T(1), sum = T(0);
-        if (m_new == neg_inf<T>()) {  // no visible key in this row yet
+        if (m_new == neg_inf<T>()) {  // no visible key in this row yet, or NaN scores only
+          bool nan = false;
 #pragma unroll
-          for (int c = 0; c < 4; ++c) s[r][c] = T(0);
+          for (int c = 0; c < 4; ++c) {
+            nan = nan || isnan(s[r][c]);
+            s[r][c] = T(0);
+          }
+          if (nan) sum = std::numeric_limits<T>::quiet_NaN();  // the NaN reaches l, lse and the output
         } else {
           correction = acc_exp(row_m[r] - m_new);  // 0 while row_m is -inf
 #pragma unroll
@@ -360,13 +365,14 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
       }
     }
 
-    // lse (natural log; -inf for a row that saw no key) and out = O / l.
+    // lse (natural log; -inf for a row that saw no key) and out = O / l. A NaN
+    // score makes l NaN: output and lse NaN, as in PyTorch.
     T* lse = static_cast<T*>(p.lse) + (b * p.Hq + h) * p.L;
     T row_lse[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + ty + C::kTy * r;
-      row_lse[r] = row_l[r] > T(0) ? row_m[r] + acc_log(row_l[r]) : neg_inf<T>();
+      row_lse[r] = row_l[r] > T(0) ? row_m[r] + acc_log(row_l[r]) : (isnan(row_l[r]) ? row_l[r] : neg_inf<T>());
       if (i < p.L && chunk == 0 && tx == 0) lse[i] = row_lse[r];
     }
     if (!write_probs) {
@@ -375,7 +381,7 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
       for (int r = 0; r < R; ++r) {
         const int64_t i = i0 + ty + C::kTy * r;
         if (i >= p.L) continue;
-        const T inv = row_l[r] > T(0) ? drop.keep_scale / row_l[r] : T(0);
+        const T inv = row_l[r] > T(0) ? drop.keep_scale / row_l[r] : (isnan(row_l[r]) ? row_l[r] : T(0));
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           const int64_t col = c0 + tx + C::kTx * c;

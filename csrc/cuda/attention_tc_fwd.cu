@@ -252,7 +252,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   }
 
   // Epilogue: out = O * keep_scale / sum (0 for a row without a visible key),
-  // lse = max * ln 2 + ln(sum) (-inf for such a row).
+  // lse = max * ln 2 + ln(sum) (-inf for such a row). A NaN score makes the
+  // sum NaN (fmaxf skips it in the max, exp2f does not): output and lse NaN,
+  // as in PyTorch.
   float* lse = static_cast<float*>(p.lse) + bh * p.L + i0;  // (m_rows,) of the contiguous (B, Hq, L)
   const float keep_scale = dropout ? static_cast<float>(1.0 / (1.0 - p.dropout_p)) : 1.0f;
 #pragma unroll
@@ -262,9 +264,9 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
       float l = row_sum[s][hi];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.0f ? keep_scale / l : 0.0f;
+      const float inv = l > 0.0f ? keep_scale / l : (isnan(l) ? l : 0.0f);
       const int row = local_row(s, hi);
-      if (t == 0 && row < m_rows) lse[row] = l > 0.0f ? row_max[s][hi] * kLn2 + logf(l) : -INFINITY;
+      if (t == 0 && row < m_rows) lse[row] = l > 0.0f ? row_max[s][hi] * kLn2 + logf(l) : (isnan(l) ? l : -INFINITY);
 #pragma unroll
       for (int d = 0; d < kOutBlocks; ++d) {
         o[s][d][2 * hi] *= inv;

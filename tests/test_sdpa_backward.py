@@ -116,6 +116,12 @@ BLOCK_VARIANTS = {
     "causal_top_left_S_gt_L": dict(L=70, S=300, is_causal=True),
     "causal_bottom_right_L_gt_S": dict(L=300, S=70, is_causal=True, causal_alignment="bottom_right"),
     "gqa_float_mask": dict(L=130, S=190, gqa=True, mask=True),
+    # The CUDA tensor-core backward takes its long-sequence tiles when a key sees
+    # more than short_rows query rows on average (L, or L / 2 causal; short_rows in
+    # csrc/cuda/attention_tc.cuh: 1024 at E = 64, 512 at E = 128); the cases above
+    # take the short tiles.
+    "long_queries": dict(L=1100, S=70),
+    "long_queries_causal_bottom_right": dict(L=2100, S=300, is_causal=True, causal_alignment="bottom_right"),
 }
 
 

@@ -101,35 +101,57 @@ namespace attn_ext::cuda::tc {
 //   fwd_block_n    keys per K/V tile of the forward
 //   fwd_q_regs     the forward keeps Q's A fragments in registers (else re-reads
 //                  them from shared memory for every K/V tile)
-//   bwd_block_n    keys per backward CTA (bwd_warps warps x 16 keys)
-//   bwd_block_m    query rows per step of the backward
-//   bwd_kv_regs    the backward keeps the warp's K and V A fragments in registers
+//   bwd            the backward's tiles:
+//     block_n      keys per CTA (warps x 16 keys)
+//     block_m      query rows per step
+//     kv_regs      each warp keeps its K and V A fragments in registers
+//   bwd_short      the backward's tiles for short sequences (block_n = 0: none)
+//   short_rows     ... taken when the query rows a key sees on average (L, or
+//                  L / 2 when causal) are at most this
 // Registers per thread (f32 accumulators): forward O = E, S = fwd_block_n
 // (2 strips); backward dK + dV = E, S^T + dP^T = bwd_block_m. With E = 128
 // that is 192 of the 255 registers a thread may have, the rest is operands
-// and addresses; the forward at E = 128 is the tightest kernel.
+// and addresses; the forward at E = 128 is the tightest kernel. So a backward
+// CTA of 8 warps is alone on its multiprocessor, and its prologue (K, V and
+// the first query tile) and epilogue (dK, dV) overlap nothing; a 4-warp CTA
+// shares it with another one. That pays where the CTAs' query loops are short
+// and costs where they are long, as the short tiles add dQ atomics (one per 64
+// keys instead of 128). Measured on an H100 (bf16, 16k tokens, one run each,
+// backward TFLOP/s, 8-warp tiles -> 4-warp tiles): E = 64, L = 512 causal
+// 60 -> 89, L = 1024 74 -> 81 (91 causal -> 121), L = 2048 causal 134 -> 142,
+// L = 2048 184 -> 177, L = 8192 216 -> 203; E = 128, L = 1024 causal 108 ->
+// 124, L = 1024 176 -> 166, L = 2048 204 -> 184. Hence short_rows.
 // -----------------------------------------------------------------------------
+struct BwdTiles {
+  int block_n, block_m, warps;
+  bool kv_regs;
+};
+
 struct TileSizes {
   int head_dim;
   int fwd_block_m, fwd_block_n, fwd_warps;
   bool fwd_q_regs;
-  int bwd_block_n, bwd_block_m, bwd_warps;
-  bool bwd_kv_regs;
+  BwdTiles bwd, bwd_short;
+  int short_rows;
 };
 
 inline constexpr TileSizes kTileTable[] = {
-    //  E  fwd: BM   BN  warps Q-regs   bwd: BN  BM  warps KV-regs
-    {32,      128,  64,  4,    true,        64, 64,  4,    true},
-    {64,      128,  64,  4,    true,       128, 64,  8,    true},
-    {96,      128,  64,  4,    false,      128, 64,  8,    false},
-    {128,     128,  64,  4,    false,      128, 64,  8,    false},
+    //  E  fwd: BM   BN  warps Q-regs  bwd: BN  BM  warps KV-regs  bwd_short           short_rows
+    {32,      128,  64,  4,    true,      {64,  64, 4,    true},   {0, 0, 0, false},    0},
+    {64,      128,  64,  4,    true,      {128, 64, 8,    true},   {64, 64, 4, true},   1024},
+    {96,      128,  64,  4,    false,     {128, 64, 8,    false},  {0, 0, 0, false},    0},
+    {128,     128,  64,  4,    false,     {128, 64, 8,    false},  {64, 64, 4, false},  512},
 };
 
 constexpr TileSizes tile_sizes(int head_dim) {
   for (const TileSizes& t : kTileTable)
     if (t.head_dim == head_dim) return t;
-  return TileSizes{0, 0, 0, 0, false, 0, 0, 0, false};
+  return TileSizes{0, 0, 0, 0, false, {0, 0, 0, false}, {0, 0, 0, false}, 0};
 }
+
+// Whether head dim kHeadDim has short backward tiles.
+template <int kHeadDim>
+inline constexpr bool kHasShortBackward = tile_sizes(kHeadDim).bwd_short.block_n > 0;
 
 // The head dims that have kernels; dispatch_head_dim() is the one switch over them.
 template <typename Fn>
@@ -191,15 +213,16 @@ struct FwdTraits {
   static_assert(kBlockM % (16 * kWarps) == 0 && kBlockN % 16 == 0 && kHeadDim % 16 == 0, "tile shapes");
 };
 
-template <int kHeadDim>
+template <int kHeadDim, bool kShort = false>
 struct BwdTraits {
-  static constexpr TileSizes kT = tile_sizes(kHeadDim);
-  static_assert(kT.head_dim == kHeadDim, "no tile sizes for this head dim");
-  static constexpr int kWarps = kT.bwd_warps;
+  static_assert(tile_sizes(kHeadDim).head_dim == kHeadDim, "no tile sizes for this head dim");
+  static_assert(!kShort || kHasShortBackward<kHeadDim>, "no short backward tiles for this head dim");
+  static constexpr BwdTiles kT = kShort ? tile_sizes(kHeadDim).bwd_short : tile_sizes(kHeadDim).bwd;
+  static constexpr int kWarps = kT.warps;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kBlockN = kT.bwd_block_n;  // keys per CTA, 16 per warp
-  static constexpr int kBlockM = kT.bwd_block_m;  // query rows per step
-  static constexpr bool kKVInRegs = kT.bwd_kv_regs;
+  static constexpr int kBlockN = kT.block_n;  // keys per CTA, 16 per warp
+  static constexpr int kBlockM = kT.block_m;  // query rows per step
+  static constexpr bool kKVInRegs = kT.kv_regs;
   // dQ = dS K is split over the warps: kBlockM / 16 row strips x kDqColGroups column groups.
   static constexpr int kDqColGroups = kWarps / (kBlockM / 16);
   static constexpr int kDqCols = kHeadDim / kDqColGroups;

@@ -13,23 +13,39 @@ namespace attn_ext::cuda {
 namespace tc {
 namespace {
 
-// delta = rowsum(dO * O) - dlse for every row (b, h, i), one warp per row.
-// O and dO may have any strides.
+// delta = rowsum(dO * O) - dlse for every row (b, h, i). A group of `group`
+// lanes (a power of two, 4 .. 32) takes one row: with unit column strides and
+// 16-byte aligned rows, 8 elements per lane and load (the common case: a
+// memory-bound pass over O and dO), else one element per lane and load (O and
+// dO may have any strides).
 template <typename T>
-__global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttnBwdParams p,
+__global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttnBwdParams p, int group,
                                                                   float* delta) {  // (B, Hq, L) contiguous
-  constexpr int kRowsPerBlock = 256 / 32;
-  const int lane = threadIdx.x % 32;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;  // (b * Hq + h) * L + i
-  if (row >= p.B * p.Hq * p.L) return;
-  const int64_t i = row % p.L, bh = row / p.L, b = bh / p.Hq, h = bh % p.Hq;
-  const T* o = static_cast<const T*>(p.out) + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
-  const T* d = static_cast<const T*>(p.dout) + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
+  const int sub = threadIdx.x % group;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x) / group;  // (b * Hq + h) * L + i
+  const bool valid = row < p.B * p.Hq * p.L;
   float acc = 0.0f;
-  for (int64_t e = lane; e < p.Ev; e += 32) acc += to_float(o[e * p.o_stride[3]]) * to_float(d[e * p.do_stride[3]]);
+  if (valid) {
+    const int64_t i = row % p.L, bh = row / p.L, b = bh / p.Hq, h = bh % p.Hq;
+    const T* o = static_cast<const T*>(p.out) + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+    const T* d = static_cast<const T*>(p.dout) + b * p.do_stride[0] + h * p.do_stride[1] + i * p.do_stride[2];
+    const bool vec = p.o_stride[3] == 1 && p.do_stride[3] == 1 && p.Ev % 8 == 0 &&
+                     ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(d)) & 15) == 0;
+    if (vec) {
+      for (int64_t e = 8 * sub; e < p.Ev; e += 8 * group) {
+        const uint4 ov = *reinterpret_cast<const uint4*>(o + e), dv = *reinterpret_cast<const uint4*>(d + e);
+        T oe[8], de[8];
+        memcpy(oe, &ov, sizeof(ov));
+        memcpy(de, &dv, sizeof(dv));
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-  if (lane == 0) delta[row] = acc - (p.dlse != nullptr ? static_cast<const float*>(p.dlse)[row] : 0.0f);
+        for (int k = 0; k < 8; ++k) acc = fmaf(to_float(oe[k]), to_float(de[k]), acc);
+      }
+    } else {
+      for (int64_t e = sub; e < p.Ev; e += group) acc += to_float(o[e * p.o_stride[3]]) * to_float(d[e * p.do_stride[3]]);
+    }
+  }
+  for (int offset = group / 2; offset > 0; offset /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+  if (valid && sub == 0) delta[row] = acc - (p.dlse != nullptr ? static_cast<const float*>(p.dlse)[row] : 0.0f);
 }
 
 // One CTA: keys [k0, k0 + kBlockN) of one (batch, query head), all query
@@ -38,10 +54,10 @@ __global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttnBwdP
 // and, in n-block n of a query tile, queries i0 + 8 n + 2 t + e: element
 // S^T[n][2 hi + e]. dK and dV of the warp's keys stay in registers
 // (columns 8 d + 2 t + e of n-block d).
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
+template <typename T, int kHeadDim, bool kShort>
+__global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
     attention_bwd_tc_kernel(const AttnBwdParams p, const BwdWorkspace ws) {
-  using Tr = BwdTraits<kHeadDim>;
+  using Tr = BwdTraits<kHeadDim, kShort>;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;
   using DsTile = typename Tr::DsTile;
@@ -53,7 +69,8 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
   constexpr int kKeySteps = kBlockN / 16;     // k-steps of dS K
   constexpr int kDqBlocks = Tr::kDqCols / 8;  // n-blocks of this warp's part of dQ
   static_assert(kThreads >= 2 * kBlockM, "one thread per lse and per delta value of a query tile");
-  static_assert(4 * kQueryBlocks <= 32, "the dropout keep bits of a query tile fit one uint32_t");
+  // The dropout keep bits of a query tile, 4 per n-block.
+  using KeepBits = std::conditional_t<4 * kQueryBlocks <= 32, uint32_t, uint64_t>;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int64_t bh = batch_head_index();
@@ -93,18 +110,17 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
   // Threads [0, kBlockM) fetch the lse of query tile qt, [kBlockM, 2 kBlockM)
   // its delta; stats_store puts them in shared memory. lse is kept as
   // lse * log2(e), +inf for rows that see no key (lse = -inf) and for the
-  // padding rows, so that exp2(x - lse) is 0 there.
+  // padding rows, so that exp2(x - lse) is 0 there. The fetch only loads, and
+  // the store (a whole query tile of work later) converts: nothing waits on
+  // the load in between.
   auto stats_fetch = [&](int64_t qt) {
     const int64_t i = qt * kBlockM + (tid % kBlockM);
-    if (tid < kBlockM) {
-      const float l = i < p.L ? lse[i] : -INFINITY;
-      return l == -INFINITY ? INFINITY : l * kLog2e;
-    }
+    if (tid < kBlockM) return i < p.L ? lse[i] : -INFINITY;
     return i < p.L && tid < 2 * kBlockM ? delta[i] : 0.0f;
   };
   auto stats_store = [&](float value, int buf) {
     if (tid < kBlockM) {
-      s_lse[buf * kBlockM + tid] = value;
+      s_lse[buf * kBlockM + tid] = value == -INFINITY ? INFINITY : value * kLog2e;
     } else if (tid < 2 * kBlockM) {
       s_delta[buf * kBlockM + tid - kBlockM] = value;
     }
@@ -175,9 +191,14 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
       }
     }
 
-    // S^T = K Q^T
+    // S^T = K Q^T, then dP^T = V dO^T at once: the second product needs
+    // nothing of the first, so its mma instructions are in flight while the
+    // exponentials and the masking below run (st and dpt are both live until
+    // dS anyway: no extra registers).
     float st[kQueryBlocks][4];
     warp_keys_times(st, ka, s_k, s_qb);
+    float dpt[kQueryBlocks][4];
+    warp_keys_times(dpt, va, s_v, s_dob);
 
     // P^T = exp2(S^T * scale * log2(e) [+ mask] - lse * log2(e)). Only tiles
     // that hold a masked element (attn_mask, the end of the keys, the causal
@@ -230,7 +251,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
     // lanes draws one of the four blocks (hi, e) = (j' / 2, j' % 2), j' = g % 4,
     // that the group needs in n-block n, and two shuffles give every lane
     // the bits of all four; lane j' keeps output j' (its key) of each.
-    uint32_t keep_bits = 0xffffffffu;
+    KeepBits keep_bits = ~KeepBits{0};
     float keep_scale = 1.0f;
     if (dropout) {
       const uint64_t seed = static_cast<uint64_t>(*p.seed_ptr);
@@ -246,7 +267,7 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
         bits |= __shfl_xor_sync(0xffffffffu, bits, 4);
         bits |= __shfl_xor_sync(0xffffffffu, bits, 8);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) keep_bits |= ((bits >> (4 * r + jq)) & 1u) << (4 * n + r);
+        for (int r = 0; r < 4; ++r) keep_bits |= static_cast<KeepBits>((bits >> (4 * r + jq)) & 1u) << (4 * n + r);
       }
     }
     auto keep_factor = [&](int n, int r) { return (keep_bits >> (4 * n + r)) & 1u ? keep_scale : 0.0f; };
@@ -263,10 +284,6 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
       acc_to_a<T>(za, z, 0);
       mma_k_step<T>(dv, za, [&](uint32_t(&ob)[4], int d) { ldsm_b_t<QTile>(ob, s_dob, kk * 16, d * 8, lane); });
     }
-
-    // dP^T = V dO^T
-    float dpt[kQueryBlocks][4];
-    warp_keys_times(dpt, va, s_v, s_dob);
 
     // dS^T = P^T * (dP^T * keep / (1 - p) - delta), into dpt.
 #pragma unroll
@@ -315,17 +332,30 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
     {
       const int rg = warp % (kBlockM / 16), cg = warp / (kBlockM / 16);
       const int col0 = cg * Tr::kDqCols;
-      float acc[kDqBlocks][4];
+      // With few n-blocks, k-steps alternate between two accumulator sets, so
+      // that 8 independent mma instructions, not 4, follow one another.
+      constexpr int kSets = kDqBlocks < 8 && kKeySteps % 2 == 0 ? 2 : 1;
+      float acc_sets[kSets][kDqBlocks][4];
 #pragma unroll
-      for (int d = 0; d < kDqBlocks; ++d)
+      for (int c = 0; c < kSets; ++c)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) acc[d][r] = 0.0f;
+        for (int d = 0; d < kDqBlocks; ++d)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc_sets[c][d][r] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < kKeySteps; ++ks) {
         uint32_t a[4];
         ldsm_a_t<DsTile>(a, s_ds, rg * 16, ks * 16, lane);
-        mma_k_step<T>(acc, a, [&](uint32_t(&kb)[4], int d) { ldsm_b_t<KVTile>(kb, s_k, ks * 16, col0 + d * 8, lane); });
+        mma_k_step<T>(acc_sets[ks % kSets], a,
+                      [&](uint32_t(&kb)[4], int d) { ldsm_b_t<KVTile>(kb, s_k, ks * 16, col0 + d * 8, lane); });
       }
+      float(&acc)[kDqBlocks][4] = acc_sets[0];
+#pragma unroll
+      for (int c = 1; c < kSets; ++c)
+#pragma unroll
+        for (int d = 0; d < kDqBlocks; ++d)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[d][r] += acc_sets[c][d][r];
       const float scale = static_cast<float>(p.scale);
 #pragma unroll
       for (int hi = 0; hi < 2; ++hi) {
@@ -364,15 +394,29 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim>::kThreads, 1)
   }
 }
 
+template <typename T, int kHeadDim, bool kShort>
+void launch_backward_tiles(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Tr = BwdTraits<kHeadDim, kShort>;
+  const int64_t n_blocks = (p.S + Tr::kBlockN - 1) / Tr::kBlockN;
+  launch_kernel(attention_bwd_tc_kernel<T, kHeadDim, kShort>, grid_for(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
+                Tr::kSmemBytes, stream, p, ws);
+}
+
 template <typename T, int kHeadDim>
 void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  using Tr = BwdTraits<kHeadDim>;
-  const int64_t rows = p.B * p.Hq * p.L;
-  launch_kernel(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>((rows + 7) / 8)), dim3(256), 0, stream, p,
-                static_cast<float*>(ws.delta));
-  const int64_t n_blocks = (p.S + Tr::kBlockN - 1) / Tr::kBlockN;
-  launch_kernel(attention_bwd_tc_kernel<T, kHeadDim>, grid_for(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
-                Tr::kSmemBytes, stream, p, ws);
+  int group = 4;  // lanes per row of the delta pass: 8 elements each
+  while (group < 32 && 8 * group < p.Ev) group *= 2;
+  const int64_t delta_threads = p.B * p.Hq * p.L * group;
+  launch_kernel(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>((delta_threads + 255) / 256)), dim3(256), 0,
+                stream, p, group, static_cast<float*>(ws.delta));
+  if constexpr (kHasShortBackward<kHeadDim>) {
+    const int64_t rows_per_key = p.causal ? (p.L + 1) / 2 : p.L;  // on average
+    if (rows_per_key <= tile_sizes(kHeadDim).short_rows) {
+      launch_backward_tiles<T, kHeadDim, true>(p, ws, stream);
+      return;
+    }
+  }
+  launch_backward_tiles<T, kHeadDim, false>(p, ws, stream);
 }
 
 }  // namespace

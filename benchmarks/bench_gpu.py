@@ -123,7 +123,8 @@ def report(paths):
     for path in paths:
         with open(path) as f:
             run = json.load(f)
-        devices.add(f"{run['device']}, torch {run['torch']}")
+        commit = f", commit {run['commit']}" if run.get("commit") else ""
+        devices.add(f"{run['device']}, torch {run['torch']}{commit}")
         for rec in run["records"]:
             res = rec["results"]
             ours, flash = res.get("ours", {}), res.get("flash", {})
@@ -156,6 +157,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="L in 512 and 2048, short timings")
     ap.add_argument("--min-run-time", type=float, default=0.5)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--commit", default="", help="the commit measured, kept in the --json file")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--report", nargs="+", metavar="JSON", help="print the table of saved --json runs and exit")
     args = ap.parse_args(argv)
@@ -171,6 +173,14 @@ def main(argv=None):
     device_name = torch.cuda.get_device_name()
     print(f"attn_ext GPU benchmark on {device_name}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     rows, records = [], []
+
+    def save():  # after every case: a run cut short keeps what it measured
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"device": device_name, "torch": torch.__version__, "commit": args.commit, "records": records},
+                          f, indent=1)
+
     for dtype in dtypes:
         for E in (int(x) for x in args.head_dims.split(",")):
             for causal in (False, True):
@@ -178,6 +188,7 @@ def main(argv=None):
                     shape = common.Shape(B=max(1, TOKENS // L), H=MODEL_DIM // E, L=L, E=E, causal=causal)
                     res = run_case(shape, dtype, impls, min_run_time)
                     records.append({"shape": shape.spec(), "dtype": common.dtype_name(dtype), "results": res})
+                    save()
                     flash = res.get("flash", {})
                     ours = res.get("ours", {})
                     for p in ("fwd", "bwd", "fwd+bwd"):
@@ -196,9 +207,7 @@ def main(argv=None):
               "vs flash", "peak MB ours", "peak MB flash"]
     print(common.format_table(header, rows, markdown=args.markdown))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "records": records}, f, indent=1)
+        save()
         print(f"wrote {args.json}")
     return 0
 

@@ -35,7 +35,7 @@ void point_to_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed)
 // nullptr when the tensor-core kernels can run `p` on the current device, else why not.
 const char* tensor_core_reason_for(const AttnParams& p) {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  return cuda::tensor_core_unsupported(p, prop->major, prop->minor);
+  return cuda::tensor_core_unsupported(p, prop->major, prop->minor, static_cast<int>(prop->sharedMemPerBlockOptin));
 }
 
 void launch_forward(const AttnParams& p) {

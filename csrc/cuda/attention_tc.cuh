@@ -85,6 +85,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -305,14 +306,24 @@ __device__ __forceinline__ void atomic_add_f32x2(float* addr, float a, float b) 
 #endif
 }
 
-// Launches `kernel` with `smem_bytes` of dynamic shared memory (opting in
-// above the default 48 KiB) on `stream`.
-template <typename Kernel, typename... Args>
-void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream, const Args&... args) {
+// Launches kKernel with `smem_bytes` of dynamic shared memory on `stream`.
+// Above the default 48 KiB a kernel must opt in, once per device: done on its
+// first launch there. If the opt-in fails, nothing is launched and its error
+// stays for the host's launch check (C10_CUDA_KERNEL_LAUNCH_CHECK) to raise.
+template <auto kKernel, typename... Args>
+void launch_kernel(dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream, const Args&... args) {
   if (smem_bytes > 48 * 1024) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+    static std::atomic<uint64_t> opted_in{0};  // bit d: done on device d (devices 0..63)
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return;
+    const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+    if (bit == 0 || !(opted_in.load(std::memory_order_relaxed) & bit)) {
+      if (cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) != cudaSuccess)
+        return;
+      opted_in.fetch_or(bit, std::memory_order_relaxed);
+    }
   }
-  kernel<<<grid, block, smem_bytes, stream>>>(args...);
+  kKernel<<<grid, block, smem_bytes, stream>>>(args...);
 }
 
 // =============================================================================

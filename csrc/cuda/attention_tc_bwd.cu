@@ -398,8 +398,8 @@ template <typename T, int kHeadDim, bool kShort>
 void launch_backward_tiles(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim, kShort>;
   const int64_t n_blocks = (p.S + Tr::kBlockN - 1) / Tr::kBlockN;
-  launch_kernel(attention_bwd_tc_kernel<T, kHeadDim, kShort>, grid_for(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
-                Tr::kSmemBytes, stream, p, ws);
+  launch_kernel<attention_bwd_tc_kernel<T, kHeadDim, kShort>>(grid_for(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
+                                                              Tr::kSmemBytes, stream, p, ws);
 }
 
 template <typename T, int kHeadDim>
@@ -407,8 +407,8 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
   int group = 4;  // lanes per row of the delta pass: 8 elements each
   while (group < 32 && 8 * group < p.Ev) group *= 2;
   const int64_t delta_threads = p.B * p.Hq * p.L * group;
-  launch_kernel(attention_bwd_delta_kernel<T>, dim3(static_cast<unsigned>((delta_threads + 255) / 256)), dim3(256), 0,
-                stream, p, group, static_cast<float*>(ws.delta));
+  launch_kernel<attention_bwd_delta_kernel<T>>(dim3(static_cast<unsigned>((delta_threads + 255) / 256)), dim3(256), 0,
+                                               stream, p, group, static_cast<float*>(ws.delta));
   if constexpr (kHasShortBackward<kHeadDim>) {
     const int64_t rows_per_key = p.causal ? (p.L + 1) / 2 : p.L;  // on average
     if (rows_per_key <= tile_sizes(kHeadDim).short_rows) {

@@ -320,15 +320,8 @@ template <typename T, int kHeadDim>
 void launch_forward(const AttnParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   const int64_t m_blocks = (p.L + Tr::kBlockM - 1) / Tr::kBlockM;
-  launch_kernel(attention_fwd_tc_kernel<T, kHeadDim>, grid_for(m_blocks, p.B * p.Hq), dim3(Tr::kThreads),
-                Tr::kSmemBytes, stream, p);
-}
-
-// Largest dynamic shared memory per block (opt-in) by compute capability.
-int max_smem_per_block(int sm_major, int sm_minor) {
-  if (sm_major == 8 && (sm_minor == 0 || sm_minor == 7)) return 163 * 1024;  // A100, Orin
-  if (sm_major == 9 || sm_major == 10) return 227 * 1024;                     // H100/H200, B200
-  return 99 * 1024;                                                           // sm_86, sm_89, sm_120, ...
+  launch_kernel<attention_fwd_tc_kernel<T, kHeadDim>>(grid_for(m_blocks, p.B * p.Hq), dim3(Tr::kThreads),
+                                                      Tr::kSmemBytes, stream, p);
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -345,7 +338,7 @@ bool rows_vectorizable(const void* ptr, const int64_t (&stride)[4], const int64_
 }  // namespace
 }  // namespace tc
 
-const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int sm_minor) {
+const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int sm_minor, int smem_per_block_optin) {
   // The reason, in words; it lives until this thread's next call.
   thread_local char reason[256];
   auto say = [&](auto... args) {
@@ -367,10 +360,10 @@ const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int 
   if (!has_kernel) return say("head dim %lld is not one of 32, 64, 96, 128", static_cast<long long>(params.E));
   // One check for both directions (the backward needs more).
   const int smem = fwd_smem > bwd_smem ? fwd_smem : bwd_smem;
-  const int smem_max = tc::max_smem_per_block(sm_major, sm_minor);
-  if (smem > smem_max)
-    return say("head dim %lld needs %d KiB of shared memory per block, compute capability %d.%d has %d KiB",
-               static_cast<long long>(params.E), smem / 1024, sm_major, sm_minor, smem_max / 1024);
+  if (smem > smem_per_block_optin)
+    return say("head dim %lld needs %d KiB of shared memory per block, this device (compute capability %d.%d) "
+               "allows %d KiB",
+               static_cast<long long>(params.E), smem / 1024, sm_major, sm_minor, smem_per_block_optin / 1024);
   const int64_t q_size[4] = {params.B, params.Hq, params.L, params.E};
   const int64_t kv_size[4] = {params.B, params.Hkv, params.S, params.E};
   const char* names[3] = {"query", "key", "value"};

@@ -39,8 +39,10 @@ void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaS
 // The tensor-core kernels (FlashAttention-2 style): float16/bfloat16 on
 // sm80+, E == Ev in the supported set, out/lse only (not the probabilities).
 // Returns nullptr when they can run `params` on a device of compute
-// capability (sm_major, sm_minor), else the reason why not, in words.
-const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int sm_minor);
+// capability (sm_major, sm_minor) that allows a block smem_per_block_optin
+// bytes of shared memory (cudaDeviceProp::sharedMemPerBlockOptin), else the
+// reason why not, in words.
+const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int sm_minor, int smem_per_block_optin);
 void forward_tensor_core(const AttnParams& params, cudaStream_t stream);
 void backward_tensor_core(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream);
 

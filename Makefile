@@ -14,6 +14,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
+TRANSFORMERS_SPEC ?= transformers==5.24.0
 PY := $(VENV)/bin/python
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
@@ -21,7 +22,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel tqdm matplotlib
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel tqdm matplotlib $(TRANSFORMERS_SPEC)
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)

@@ -1,0 +1,184 @@
+"""attn_ext as a Hugging Face transformers attention implementation.
+
+    >>> import attn_ext.integrations.transformers as hf
+    >>> name = hf.register()                       # "attn_ext"
+    >>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation=name)
+    >>> model.set_attn_implementation(name)        # or switch an existing model
+
+``register`` puts two functions into transformers' registries: an attention
+function (``AttentionInterface``) that runs every attention layer on
+:func:`attn_ext.scaled_dot_product_attention` (or :func:`attn_ext.varlen_attention`
+for padding-free packed batches), and a mask function (``AttentionMaskInterface``)
+that describes a layer's mask to it as compactly as the kernels can take it.
+
+What a layer's mask becomes:
+
+- causal, sliding-window or bidirectional attention, with or without padding,
+  the queries being the last ``q_length`` of the keys (no cache, or transformers'
+  dynamic caches): ``None`` or a (B, 1, 1, S) bool key-padding mask. The
+  attention function then adds ``is_causal`` (bottom-right aligned, as a cache
+  needs), ``window=(w - 1, 0)`` for a transformers ``sliding_window`` of w, and
+  the softcap and sinks the model passes. No (B, 1, L, S) tensor is built.
+- padding-free packed batches (``position_ids`` restarting at 0, no
+  ``attention_mask``, batch 1): ``None``; the attention function finds the
+  sequences from ``position_ids`` (as transformers' flash-attention path does)
+  and runs :func:`attn_ext.varlen_attention` on them.
+- anything else (static caches whose keys run past the queries, chunked or
+  blockwise masks, custom mask functions): transformers' own (B, 1, L, S) mask,
+  as an additive float mask (0 or -inf), which the attention function applies
+  as it is. A float mask always carries the whole pattern; a bool one is only
+  key padding: that is how the attention function tells the two apart.
+
+Grouped-query attention runs on the key/value heads as they come (no
+``repeat_kv``); dropout applies in training (the model passes its rate).
+Query rows that see no key (padding positions) come out 0, where eager gives an
+average of the values: real positions agree, padding positions may not.
+
+Importing attn_ext does not import transformers; importing this module does.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import transformers
+from transformers import masking_utils
+
+from ..ops import scaled_dot_product_attention, varlen_attention
+
+__all__ = ["register", "attention_forward", "attention_mask"]
+
+
+# ---------------------------------------------------------------------------
+# The mask function
+# ---------------------------------------------------------------------------
+
+def _mask_parts(mask_function):
+    """The mask functions that and_masks() combined into ``mask_function`` (itself if none),
+    seen through the position remapping transformers adds for packed sequences."""
+    name = getattr(mask_function, "__qualname__", "")
+    if name.startswith("and_masks."):
+        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
+        return [leaf for part in parts for leaf in _mask_parts(part)]
+    if name.startswith("remap_positions_for_packed_sequence."):
+        inner = inspect.getclosurevars(mask_function).nonlocals.get("mask_function")
+        if inner is not None:
+            return _mask_parts(inner)
+    return [mask_function]
+
+
+def _kind(part):
+    """What one mask function is, for the patterns the kernels take by flags."""
+    if part is masking_utils.causal_mask_function:
+        return "causal"
+    if part is masking_utils.bidirectional_mask_function:
+        return "bidirectional"
+    name = getattr(part, "__qualname__", "")
+    for prefix, kind in (("sliding_window_overlay.", "sliding"), ("sliding_window_bidirectional_overlay.", "sliding"),
+                         ("packed_sequence_mask_function.", "packed")):
+        if name.startswith(prefix):
+            return kind
+    return None
+
+
+def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
+                   mask_function=masking_utils.causal_mask_function, attention_mask=None, dtype=torch.float32,
+                   device="cpu", **kwargs):
+    """transformers' mask interface for attn_ext: ``None``, a (B, 1, 1, S) bool key-padding
+    mask, or a (B, 1, L, S) additive float mask (see the module's docstring)."""
+    kinds = [_kind(part) for part in _mask_parts(mask_function)]
+    plain = all(k in ("causal", "bidirectional", "sliding") for k in kinds)
+    offsets_known = isinstance(q_offset, int) and isinstance(kv_offset, int)
+    # Causal and sliding patterns ride on the kernels' bottom-right alignment: the
+    # last query must be the last key.
+    aligned = "causal" not in kinds and "sliding" not in kinds or (
+        offsets_known and q_offset + q_length == kv_offset + kv_length)
+    if plain and aligned:
+        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if padding is None:
+            return None
+        padding = padding[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
+        if bool(padding.all()):
+            return None
+        return padding[:, None, None, :]
+    if ("packed" in kinds and attention_mask is None and batch_size == 1
+            and set(kinds) <= {"causal", "sliding", "packed"}):
+        return None  # the attention function reads the sequences off position_ids
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    full = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                                   kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                                   allow_is_causal_skip=False, allow_is_bidirectional_skip=False, device=device,
+                                   **kwargs)
+    additive = torch.zeros(full.shape, dtype=dtype, device=full.device)
+    return additive.masked_fill_(~full, float("-inf"))
+
+
+# ---------------------------------------------------------------------------
+# The attention function
+# ---------------------------------------------------------------------------
+
+def _packed_sequences(position_ids, batch_size, q_length):
+    """cu_seqlens of a padding-free packed batch (batch 1, positions restarting at 0), else None."""
+    if position_ids is None or batch_size != 1 or q_length <= 1 or position_ids.shape[-1] != q_length:
+        return None
+    pos = position_ids.reshape(-1)
+    increasing = torch.arange(q_length, device=pos.device) + pos.min()
+    if not bool((increasing != pos).any()):
+        return None  # one sequence
+    starts = torch.nonzero(pos == 0).flatten()
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    return torch.cat([starts, starts.new_tensor([q_length])])
+
+
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                      softcap=None, is_causal=None, s_aux=None, **kwargs):
+    """transformers' attention interface for attn_ext.
+
+    query (B, Hq, L, E), key (B, Hkv, S, E), value (B, Hkv, S, Ev); ``attention_mask``
+    what :func:`attention_mask` made. Returns ((B, L, Hq, Ev), None): no attention
+    weights (``output_attentions`` needs ``attn_implementation="eager"``).
+    """
+    if kwargs.get("position_bias") is not None:
+        raise ValueError("attn_ext: position_bias (T5-style relative attention bias) is not supported; "
+                         "use attn_implementation='eager' or 'sdpa' for this model")
+    if kwargs.get("output_attentions", False):
+        transformers.utils.logging.get_logger(__name__).warning_once(
+            "attn_ext does not return attention weights (output_attentions=True); "
+            "use attn_implementation='eager' for them")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    B, Hq, L, _ = query.shape
+    S = key.shape[2]
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        # transformers' whole mask, causal and window included.
+        out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask.to(query.dtype),
+                                           dropout_p=dropout, scale=scaling, enable_gqa=Hq != key.shape[1],
+                                           softcap=softcap, sinks=s_aux)
+        return out.transpose(1, 2).contiguous(), None
+
+    window = None
+    if sliding_window is not None and (causal or sliding_window < max(L, S)):
+        window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+    cu = _packed_sequences(kwargs.get("position_ids"), B, L) if attention_mask is None and L == S else None
+    if cu is not None:
+        # (1, H, T, E) -> (T, H, E): one varlen call over the packed sequences.
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = varlen_attention(q, k, v, cu, cu, dropout_p=dropout, is_causal=causal, scale=scaling, window=window,
+                               softcap=softcap, sinks=s_aux)
+        return out.unsqueeze(0).contiguous(), None
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                       is_causal=causal, scale=scaling, enable_gqa=Hq != key.shape[1],
+                                       causal_alignment="bottom_right", window=window, softcap=softcap, sinks=s_aux)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = "attn_ext") -> str:
+    """Registers attn_ext with transformers under ``name`` (attention and mask
+    functions) and returns ``name``, for ``attn_implementation=name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attn_ext: name must be a non-empty string, got {name!r}")
+    transformers.AttentionInterface.register(name, attention_forward)
+    transformers.AttentionMaskInterface.register(name, attention_mask)
+    return name

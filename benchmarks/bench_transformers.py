@@ -1,0 +1,139 @@
+"""A Hugging Face model on attn_ext against transformers' "sdpa" implementation.
+
+The model is a tiny Llama built from its config (random weights, no download):
+4 layers, hidden size 256, 8 query heads sharing 4 key/value heads (head dim
+32), vocabulary 1024. The same weights run with attn_implementation="attn_ext"
+and "sdpa", interleaved in one process (common.time_interleaved: the machine's
+drift hits both alike), and the ratio is sdpa's time over ours (> 1: attn_ext
+is faster):
+
+  train   one training step's forward and backward (model(ids, labels=ids).loss
+          .backward()), batch 4 x 1024 tokens, in float32 and bfloat16
+  prefill the forward of a 4 x 1024-token prompt without gradients
+  decode  greedy generate() of 64 new tokens after a 4 x 512-token prompt
+          (transformers' DynamicCache): new tokens per second
+
+Usage (CPU by default; --device cuda on a GPU):
+    python benchmarks/bench_transformers.py [--threads 2] [--dtype float32,bfloat16] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from attn_ext.benchmark import common
+
+
+def make_model(dtype, device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                      attention_dropout=0.0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=dtype)
+
+
+def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_tokens=64):
+    import copy
+
+    models = {"attn_ext": make_model(dtype, device)}
+    models["sdpa"] = copy.deepcopy(models["attn_ext"])  # the same weights
+    models["attn_ext"].set_attn_implementation(name)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (batch, seq), generator=gen).to(device)
+    prompt_ids = ids[:, :prompt]
+    result = {}
+
+    def train_step(model):
+        def fn():
+            model(ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        return fn
+
+    def prefill(model):
+        def fn():
+            with torch.no_grad():
+                model(ids)
+        return fn
+
+    for m in models.values():
+        m.train()
+    t = common.time_interleaved({k: train_step(m) for k, m in models.items()}, min_run_time=min_run_time, warmup=1)
+    result["train_ms"] = {k: v.median_ms for k, v in t.items()}
+    for m in models.values():
+        m.eval()
+    t = common.time_interleaved({k: prefill(m) for k, m in models.items()}, min_run_time=min_run_time, warmup=1)
+    result["prefill_ms"] = {k: v.median_ms for k, v in t.items()}
+
+    # Decoding: three timed generate() calls each, alternating; the median.
+    tokens, times = {}, {k: [] for k in models}
+    for _ in range(3):
+        for k, m in models.items():
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = m.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times[k].append(time.perf_counter() - start)
+            tokens[k] = out[:, prompt:]
+    result["decode_tokens_per_s"] = {k: batch * new_tokens / sorted(v)[len(v) // 2] for k, v in times.items()}
+    result["same_tokens"] = bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+    return result
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--min-run-time", type=float, default=6.0, help="seconds per timed pass, over 3 rounds")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    try:
+        import transformers
+    except ModuleNotFoundError:
+        print("bench_transformers: needs transformers (pip install transformers)", file=sys.stderr)
+        return 2
+    import attn_ext.integrations.transformers as hf
+
+    name = hf.register()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}"
+    print(f"tiny Llama (4 x d256, GQA 8/4) on {device} ({where}), {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    header = ["dtype", "train ms attn_ext", "train ms sdpa", "train x", "prefill ms attn_ext", "prefill ms sdpa",
+              "prefill x", "decode tok/s attn_ext", "decode tok/s sdpa", "decode x", "same tokens"]
+    rows, records = [], []
+    for dname in args.dtype.split(","):
+        dtype = common.parse_dtype(dname)
+        r = run(dtype, device, args.min_run_time, name)
+        records.append({"dtype": dname, **r})
+        tr, pf, dc = r["train_ms"], r["prefill_ms"], r["decode_tokens_per_s"]
+        rows.append([dname, common.fmt(tr["attn_ext"]), common.fmt(tr["sdpa"]), common.fmt(tr["sdpa"] / tr["attn_ext"], 2),
+                     common.fmt(pf["attn_ext"]), common.fmt(pf["sdpa"]), common.fmt(pf["sdpa"] / pf["attn_ext"], 2),
+                     common.fmt(dc["attn_ext"]), common.fmt(dc["sdpa"]), common.fmt(dc["attn_ext"] / dc["sdpa"], 2),
+                     "yes" if r["same_tokens"] else "no"])
+        print(common.format_table(header, rows[-1:], markdown=True), flush=True)
+    print(common.format_table(header, rows, markdown=True))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "where": where, "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "transformers": transformers.__version__, "records": records},
+                      f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -109,9 +108,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{platform.processor() or platform.machine()}"
-    print(f"tiny Llama (4 x d256, GQA 8/4) on {device} ({where}), {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, transformers {transformers.__version__}")
+    machine = common.machine_info(device)
+    print(f"tiny Llama (4 x d256, GQA 8/4) on {device}, transformers {transformers.__version__}")
+    print(common.describe_machine(machine))
     header = ["dtype", "train ms attn_ext", "train ms sdpa", "train x", "prefill ms attn_ext", "prefill ms sdpa",
               "prefill x", "decode tok/s attn_ext", "decode tok/s sdpa", "decode x", "same tokens"]
     rows, records = [], []
@@ -129,9 +128,8 @@ def main(argv=None):
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "where": where, "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "transformers": transformers.__version__, "records": records},
-                      f, indent=1)
+            json.dump({"device": str(device), "machine": machine, "transformers": transformers.__version__,
+                       "records": records}, f, indent=1)
     return 0
 
 

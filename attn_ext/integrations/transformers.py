@@ -161,6 +161,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     window = None
     if sliding_window is not None and (causal or sliding_window < max(L, S)):
         window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
+    Hkv = key.shape[1]
+    if L == 1 and Hq > Hkv and window is None and s_aux is None and dropout == 0.0:
+        # A decoding step with grouped-query attention: the query heads of a group
+        # become the rows of one head (transformers' sdpa path does the same), so each
+        # key and value row is read once per group, not once per query head. One
+        # query sees every key (bottom-right causal), and the key-padding mask
+        # broadcasts over the rows.
+        grouped = query.reshape(B, Hkv, Hq // Hkv, query.shape[-1])
+        out = scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling,
+                                           softcap=softcap)
+        return out.reshape(B, Hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
     cu = _packed_sequences(kwargs.get("position_ids"), B, L) if attention_mask is None and L == S else None
     if cu is not None:
         # (1, H, T, E) -> (T, H, E): one varlen call over the packed sequences.

@@ -30,7 +30,9 @@ What a layer's mask becomes:
   key padding: that is how the attention function tells the two apart.
 
 Grouped-query attention runs on the key/value heads as they come (no
-``repeat_kv``); dropout applies in training (the model passes its rate).
+``repeat_kv``); a decoding step (one query) takes a group's query heads as the
+rows of one head, so each cached key is read once per group. Dropout applies
+in training (the model passes its rate).
 Query rows that see no key (padding positions) come out 0, where eager gives an
 average of the values: real positions agree, padding positions may not.
 

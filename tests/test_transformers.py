@@ -475,6 +475,35 @@ def test_attention_dropout_in_training(kind):
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "attn" in n or "attention" in n)
 
 
+# --------------------------------------------------------------------------- torch.compile
+
+
+def test_compiled_model_matches_eager_with_padding_and_trains():
+    """torch.compile of a model with attn_implementation="attn_ext": a left-padded batch
+    gives eager's logits at the real positions, and a loss backpropagates through the
+    compiled graph to the same gradients as the uncompiled attn_ext model."""
+    torch._dynamo.reset()
+    models = _models("llama", torch.float32, impls=("eager", ATTN_EXT))
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=gen)
+    mask = torch.ones(2, LENGTH, dtype=torch.long)
+    mask[0, :PAD] = 0
+    real = mask.bool()
+    with torch.no_grad():
+        expected = models["eager"](ids, attention_mask=mask).logits
+    ours = models[ATTN_EXT]
+    compiled = torch.compile(ours)
+    got = compiled(ids, attention_mask=mask).logits
+    scale = expected[real].abs().max()
+    assert (got - expected)[real].abs().max() <= TOL[torch.float32] * scale
+    (got[real] ** 2).mean().backward()
+    grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad(set_to_none=True)
+    (ours(ids, attention_mask=mask).logits[real] ** 2).mean().backward()
+    for n, p in ours.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+
+
 # --------------------------------------------------------------------------- registration, imports
 
 

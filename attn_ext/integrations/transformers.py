@@ -101,7 +101,8 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
         if padding is None:
             return None
         padding = padding[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
-        if bool(padding.all()):
+        # An all-True mask changes nothing: dropped when it costs no graph break.
+        if not torch.compiler.is_compiling() and bool(padding.all()):
             return None
         return padding[:, None, None, :]
     if ("packed" in kinds and attention_mask is None and batch_size == 1

@@ -475,6 +475,34 @@ def test_attention_dropout_in_training(kind):
     assert any(g is not None and g.abs().max() > 0 for n, g in grads.items() if "attn" in n or "attention" in n)
 
 
+# --------------------------------------------------------------------------- a user's 4-D mask
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+def test_a_users_4d_mask_is_applied_as_given(mask_dtype):
+    """A 4-D mask handed to the model (transformers passes it on untouched) is the whole
+    pattern: a prefix-LM mask (bidirectional over the first 4 tokens, causal after) gives
+    sdpa's logits, and eager's too for a float mask (eager adds a bool mask as numbers)."""
+    models = _models("llama", torch.float32)
+    gen = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, VOCAB, (2, LENGTH), generator=gen)
+    keep = torch.tril(torch.ones(LENGTH, LENGTH, dtype=torch.bool))
+    keep[:4, :4] = True
+    mask = keep[None, None].expand(2, 1, LENGTH, LENGTH)
+    if mask_dtype == "float":
+        mask = torch.zeros(2, 1, LENGTH, LENGTH).masked_fill(~mask, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = {impl: m(ids, attention_mask=mask).logits for impl, m in models.items()}
+    refs = ["sdpa"] + (["eager"] if mask_dtype == "float" else [])
+    for ref in refs:
+        scale = logits[ref].abs().max()
+        assert (logits[ATTN_EXT] - logits[ref]).abs().max() <= TOL[torch.float32] * scale, ref
+    # the pattern matters: without the bidirectional prefix the logits differ
+    with torch.no_grad():
+        causal = models[ATTN_EXT](ids).logits
+    assert (causal[:, :3] - logits[ATTN_EXT][:, :3]).abs().max() > 1e-3
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 

@@ -26,8 +26,10 @@ What a layer's mask becomes:
 - anything else (static caches whose keys run past the queries, chunked or
   blockwise masks, custom mask functions): transformers' own (B, 1, L, S) mask,
   as an additive float mask (0 or -inf), which the attention function applies
-  as it is. A float mask always carries the whole pattern; a bool one is only
-  key padding: that is how the attention function tells the two apart.
+  as it is. A float mask always carries the whole pattern, and so does a 4-D
+  mask a user hands the model (transformers passes it on untouched); only a
+  bool mask of one query row is key padding: that is how the attention function
+  tells them apart.
 
 Grouped-query attention runs on the key/value heads as they come (no
 ``repeat_kv``); a decoding step (one query) takes a group's query heads as the
@@ -154,9 +156,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     B, Hq, L, _ = query.shape
     S = key.shape[2]
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        # transformers' whole mask, causal and window included.
-        out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask.to(query.dtype),
+    if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1):
+        # A whole mask, causal and window included: transformers' own (float), or a
+        # 4-D mask the user gave the model, which transformers passes on as it is.
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(query.dtype)
+        out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                            dropout_p=dropout, scale=scaling, enable_gqa=Hq != key.shape[1],
                                            softcap=softcap, sinks=s_aux)
         return out.transpose(1, 2).contiguous(), None

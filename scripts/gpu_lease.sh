@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# attn_ext on a GPU lent for a few minutes: build, check and time in one call.
+#
+# What `make gpu` does in full (scripts/gpu_check.sh, the whole benchmark grid)
+# takes longer than a short lease; this script runs the steps that matter in a
+# fixed order, each under its own time limit, and leaves every log and result
+# in $OUT (the folder the lease sends back; a temporary one otherwise):
+#
+#   build      python setup.py build_ext --inplace, for this GPU's architecture only
+#   tests      the CUDA tests (pytest -k cuda, 8 workers)
+#   memcheck   compute-sanitizer memcheck on the tensor-core backward (our kernels only)
+#   backward   benchmarks/bench_gpu_backward.py (a dozen bf16 shapes, ~30 s);
+#              with BASELINE=DIR also the tree in DIR (built here first), in the same session
+#   grid       benchmarks/bench_gpu.py, the whole grid, --json $OUT/gpu.json (its JSON is
+#              written after every case, so a grid cut short keeps what it measured)
+#
+# Measured on an H100 (2026-11-26): build 72-84 s with 16 jobs, tests 65 s,
+# memcheck 15 s, backward 25 s per tree, grid about 4 minutes at 0.1 s per measurement.
+#
+# Usage, from the repository root:  scripts/gpu_lease.sh [STEP ...]   (default: build tests backward)
+# Environment:
+#   PYTHON      the interpreter with torch (default python3)
+#   OUT         where logs and results go (default: a new temporary folder)
+#   COMMIT      the commit being measured, recorded in the grid's JSON
+#   BASELINE    a copy of another tree (e.g. `git archive HEAD~1 | tar -x -C DIR`) to time beside this one
+#   *_TIMEOUT   seconds per step: BUILD_TIMEOUT 300, TESTS_TIMEOUT 200, MEMCHECK_TIMEOUT 120,
+#               BACKWARD_TIMEOUT 120, GRID_TIMEOUT 300
+
+set -u
+cd "$(dirname "$0")/.." || exit 2
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/attn_ext_gpu_lease.XXXXXX")}
+mkdir -p "$OUT"
+STEPS=("$@")
+[ ${#STEPS[@]} -eq 0 ] && STEPS=(build tests backward)
+T0=$SECONDS
+declare -a SUMMARY=()
+
+step() {  # step NAME TIMEOUT COMMAND...: runs COMMAND with its output in $OUT/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  SUMMARY+=("$(printf '%-10s rc=%-3s %4ss  (at %ss) %s' "$name" "$rc" "$((SECONDS - start))" "$((SECONDS - T0))" \
+    "$([ "$rc" -eq 124 ] && echo 'stopped at its time limit')")")
+  tail -n 3 "$OUT/$name.log"
+  return $rc
+}
+
+if ! "$PYTHON" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_lease: torch sees no CUDA device with $PYTHON" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader 2>/dev/null
+ARCH=$("$PYTHON" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$ARCH} PYTHONUNBUFFERED=1
+
+for s in "${STEPS[@]}"; do
+  case $s in
+    build)
+      step build "${BUILD_TIMEOUT:-300}" env MAX_JOBS=${MAX_JOBS:-16} "$PYTHON" setup.py build_ext --inplace || break
+      if [ -n "${BASELINE:-}" ]; then
+        (cd "$BASELINE" && MAX_JOBS=${MAX_JOBS:-16} timeout "${BUILD_TIMEOUT:-300}" "$PYTHON" setup.py build_ext --inplace \
+          >"$OUT/build_baseline.log" 2>&1) || echo "gpu_lease: the baseline did not build (see $OUT/build_baseline.log)"
+      fi
+      ;;
+    tests)
+      step tests "${TESTS_TIMEOUT:-200}" env PYTHONPATH="$PWD" "$PYTHON" -m pytest -q -n 8 -rs -k cuda -p no:cacheprovider tests
+      grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
+      ;;
+    memcheck)
+      step memcheck "${MEMCHECK_TIMEOUT:-120}" env PYTHONPATH="$PWD" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        compute-sanitizer --tool memcheck --kernel-name kns=attn_ext --error-exitcode 99 --print-limit 10 \
+        "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_sdpa_backward.py \
+        -k "cuda and head_dims_and_key_blocks and bfloat16 and (64 or 128)"
+      ;;
+    backward)
+      step backward "${BACKWARD_TIMEOUT:-120}" env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu_backward.py \
+        "this tree ${COMMIT:-}"
+      if [ -n "${BASELINE:-}" ]; then
+        step backward_baseline "${BACKWARD_TIMEOUT:-120}" env PYTHONPATH="$BASELINE" "$PYTHON" \
+          benchmarks/bench_gpu_backward.py "baseline $BASELINE"
+      fi
+      ;;
+    grid)
+      step grid "${GRID_TIMEOUT:-300}" env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu.py --min-run-time 0.1 \
+        --markdown --commit "${COMMIT:-}" --json "$OUT/gpu.json"
+      [ -f "$OUT/gpu.json" ] && env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu.py --report "$OUT/gpu.json"
+      ;;
+    *)
+      echo "gpu_lease: unknown step '$s' (build, tests, memcheck, backward, grid)" >&2
+      exit 2
+      ;;
+  esac
+done
+
+echo
+echo "gpu_lease: logs and results in $OUT"
+for line in "${SUMMARY[@]}"; do echo "  $line"; done

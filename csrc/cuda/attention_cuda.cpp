@@ -18,7 +18,7 @@
 #include <torch/library.h>
 
 #include "../ops.h"
-#include "launch.h"
+#include "kernels.h"
 
 namespace attn_ext {
 namespace {

@@ -44,7 +44,7 @@
 #include <limits>
 
 #include "../attention_math.h"
-#include "launch.h"
+#include "kernels.h"
 
 namespace attn_ext::cuda {
 namespace {
@@ -84,7 +84,7 @@ __device__ __forceinline__ T neg_inf() {
 // Block sizes, in one place, per accumulation type.
 // ---------------------------------------------------------------------------
 template <typename T>
-struct Tiles {
+struct GenericTiles {
   static constexpr int kThreads = 128;
   static constexpr int kBlockM = 32;                          // query rows per tile
   static constexpr int kBlockN = sizeof(T) == 8 ? 32 : 64;    // keys per tile
@@ -112,7 +112,7 @@ struct Tiles {
 
 // Grid size for `tasks` blocks' worth of work; kernels loop over tasks with a
 // stride of gridDim.x, so any task count fits a 1-D grid.
-inline unsigned grid_for(int64_t tasks) { return static_cast<unsigned>(std::min<int64_t>(tasks, INT_MAX)); }
+inline unsigned task_grid(int64_t tasks) { return static_cast<unsigned>(std::min<int64_t>(tasks, INT_MAX)); }
 
 __host__ __device__ __forceinline__ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -185,18 +185,18 @@ __device__ __forceinline__ T group_sum(T v) {
 // The staging buffers of the Q K^T / dO V^T products (+1: no bank conflicts).
 template <typename T>
 struct ProductSmem {
-  T x[Tiles<T>::kBlockM][Tiles<T>::kChunkD + 1];  // rows of Q (or dO), one head-dim chunk
-  T y[Tiles<T>::kBlockN][Tiles<T>::kChunkD + 1];  // rows of K (or V), one head-dim chunk
+  T x[GenericTiles<T>::kBlockM][GenericTiles<T>::kChunkD + 1];  // rows of Q (or dO), one head-dim chunk
+  T y[GenericTiles<T>::kBlockN][GenericTiles<T>::kChunkD + 1];  // rows of K (or V), one head-dim chunk
 };
 
 // acc = X[i0 : i0 + kBlockM] . Y[j0 : j0 + kBlockN]^T over D columns, in the
 // score tile layout; rows/keys past m_valid/n_valid give 0.
 //   X: (L, D) rows of query (or dO) of one (b, h); Y: (S, D) rows of key (or value).
 template <typename T, typename scalar_t>
-__device__ __forceinline__ void product_tile(T (&acc)[Tiles<T>::kRows][4], ProductSmem<T>& sm, Mat<scalar_t> x,
+__device__ __forceinline__ void product_tile(T (&acc)[GenericTiles<T>::kRows][4], ProductSmem<T>& sm, Mat<scalar_t> x,
                                              int64_t i0, int64_t m_valid, Mat<scalar_t> y, int64_t j0,
                                              int64_t n_valid, int64_t D, int ty, int tx) {
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r)
 #pragma unroll
@@ -215,9 +215,9 @@ __device__ __forceinline__ void product_tile(T (&acc)[Tiles<T>::kRows][4], Produ
 // Raw dot products -> masked scores: s * scale, plus the additive mask, or
 // -inf where the bool mask says no, past the causal bound or past the keys.
 template <typename T, typename scalar_t>
-__device__ __forceinline__ void mask_scores(T (&s)[Tiles<T>::kRows][4], const AttnParams& p, int64_t b, int64_t h,
+__device__ __forceinline__ void mask_scores(T (&s)[GenericTiles<T>::kRows][4], const AttnParams& p, int64_t b, int64_t h,
                                             int64_t i0, int64_t j0, int ty, int tx) {
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
   const T scale = static_cast<T>(p.scale);
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
@@ -266,15 +266,15 @@ struct Dropout : DropoutRule<T> {
 template <typename T>
 struct ForwardSmem {
   ProductSmem<T> prod;
-  T p[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];       // probabilities of the current key tile
-  T v[Tiles<T>::kChunkD][Tiles<T>::kChunkOut];         // V rows (kChunkD keys) x one output chunk
+  T p[GenericTiles<T>::kBlockM][GenericTiles<T>::kBlockN + 1];       // probabilities of the current key tile
+  T v[GenericTiles<T>::kChunkD][GenericTiles<T>::kChunkOut];         // V rows (kChunkD keys) x one output chunk
 };
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
     forward_kernel(const __grid_constant__ AttnParams p) {
   using T = acc_t<scalar_t>;
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
   constexpr int R = C::kRows, NC = C::kOutCols;
   __shared__ ForwardSmem<T> sm;
 
@@ -432,10 +432,10 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
 
 // (1) delta, one warp per (b, h, i) row.
 template <typename scalar_t>
-__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
     backward_delta_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
-  constexpr int kWarps = Tiles<T>::kThreads / 32;
+  constexpr int kWarps = GenericTiles<T>::kThreads / 32;
   const int lane = threadIdx.x % 32;
   const bool from_probs = p.dprobs != nullptr;
   const int64_t n_rows = p.B * p.Hq * p.L;
@@ -465,10 +465,10 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
 template <typename T, typename scalar_t>
 __device__ __forceinline__ void backward_tile(const AttnBwdParams& p, const Dropout<T>& drop, ProductSmem<T>& sm,
                                               int64_t b, int64_t h, int64_t i0, int64_t j0,
-                                              const T (&row_lse)[Tiles<T>::kRows],
-                                              const T (&row_delta)[Tiles<T>::kRows], T (&z)[Tiles<T>::kRows][4],
-                                              T (&ds)[Tiles<T>::kRows][4], int ty, int tx) {
-  using C = Tiles<T>;
+                                              const T (&row_lse)[GenericTiles<T>::kRows],
+                                              const T (&row_delta)[GenericTiles<T>::kRows], T (&z)[GenericTiles<T>::kRows][4],
+                                              T (&ds)[GenericTiles<T>::kRows][4], int ty, int tx) {
+  using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   const int64_t hk = h / (p.Hq / p.Hkv);
   T s[R][4], dp[R][4];
@@ -515,7 +515,7 @@ template <int ROWS, int KDIM, typename T, typename scalar_t>
 __device__ __forceinline__ void accumulate_product(T* out, int64_t rows_valid, int64_t D, T alpha, const T* a,
                                                    int a_r, int a_k, Mat<scalar_t> x, int64_t x_r0,
                                                    int64_t x_rows_valid, T* xs) {
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
   constexpr int NR = ROWS / C::kOutTy, NC = C::kChunkOut / C::kOutTx;
   const int tx = threadIdx.x % C::kOutTx, ty = threadIdx.x / C::kOutTx;
   for (int64_t c0 = 0; c0 < D; c0 += C::kChunkOut) {
@@ -544,17 +544,17 @@ __device__ __forceinline__ void accumulate_product(T* out, int64_t rows_valid, i
 template <typename T>
 struct BackwardSmem {
   ProductSmem<T> prod;
-  T z[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];   // Z of the current tile pair
-  T ds[Tiles<T>::kBlockM][Tiles<T>::kBlockN + 1];  // dS of the current tile pair
-  T x[std::max(Tiles<T>::kBlockM, Tiles<T>::kBlockN)][Tiles<T>::kChunkOut];  // Q / dO / K rows, one chunk
+  T z[GenericTiles<T>::kBlockM][GenericTiles<T>::kBlockN + 1];   // Z of the current tile pair
+  T ds[GenericTiles<T>::kBlockM][GenericTiles<T>::kBlockN + 1];  // dS of the current tile pair
+  T x[std::max(GenericTiles<T>::kBlockM, GenericTiles<T>::kBlockN)][GenericTiles<T>::kChunkOut];  // Q / dO / K rows, one chunk
 };
 
 // Loads the lse and delta of the rows i0 + ty + kTy * r (-inf and 0 past L).
 template <typename T>
 __device__ __forceinline__ void load_row_stats(const AttnBwdParams& p, const BwdWorkspace& ws, int64_t b, int64_t h,
-                                               int64_t i0, int ty, T (&row_lse)[Tiles<T>::kRows],
-                                               T (&row_delta)[Tiles<T>::kRows]) {
-  using C = Tiles<T>;
+                                               int64_t i0, int ty, T (&row_lse)[GenericTiles<T>::kRows],
+                                               T (&row_delta)[GenericTiles<T>::kRows]) {
+  using C = GenericTiles<T>;
   const int64_t base = (b * p.Hq + h) * p.L;
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
@@ -566,9 +566,9 @@ __device__ __forceinline__ void load_row_stats(const AttnBwdParams& p, const Bwd
 
 // Writes a score-layout tile into a (kBlockM, kBlockN + 1) shared-memory tile.
 template <typename T>
-__device__ __forceinline__ void store_score_tile(T (*dst)[Tiles<T>::kBlockN + 1], const T (&t)[Tiles<T>::kRows][4],
+__device__ __forceinline__ void store_score_tile(T (*dst)[GenericTiles<T>::kBlockN + 1], const T (&t)[GenericTiles<T>::kRows][4],
                                                  int ty, int tx) {
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r)
 #pragma unroll
@@ -577,10 +577,10 @@ __device__ __forceinline__ void store_score_tile(T (*dst)[Tiles<T>::kBlockN + 1]
 
 // (2) dK and dV: one block per (b, h, key tile), looping over the query tiles.
 template <typename scalar_t>
-__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
     backward_dkdv_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   __shared__ BackwardSmem<T> sm;
 
@@ -622,10 +622,10 @@ __global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
 
 // (3) dQ and the mask's gradient: one block per (b, h, query tile), looping over the key tiles.
 template <typename scalar_t>
-__global__ void __launch_bounds__(Tiles<acc_t<scalar_t>>::kThreads)
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
     backward_dq_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
-  using C = Tiles<T>;
+  using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   __shared__ BackwardSmem<T> sm;
 
@@ -689,20 +689,20 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
 
 template <typename scalar_t>
 void launch_forward(const AttnParams& p, cudaStream_t stream) {
-  using C = Tiles<acc_t<scalar_t>>;
+  using C = GenericTiles<acc_t<scalar_t>>;
   const int64_t n_chunks = p.probs != nullptr ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
   const int64_t n_tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * n_chunks;
-  forward_kernel<scalar_t><<<grid_for(n_tasks), C::kThreads, 0, stream>>>(p);
+  forward_kernel<scalar_t><<<task_grid(n_tasks), C::kThreads, 0, stream>>>(p);
 }
 
 template <typename scalar_t>
 void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
-  using C = Tiles<acc_t<scalar_t>>;
+  using C = GenericTiles<acc_t<scalar_t>>;
   const int64_t n_rows = p.B * p.Hq * p.L;
-  backward_delta_kernel<scalar_t><<<grid_for(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, ws);
+  backward_delta_kernel<scalar_t><<<task_grid(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, ws);
   if (p.S == 0) return;  // no key: every gradient is 0 (the workspace is zeroed)
-  backward_dkdv_kernel<scalar_t><<<grid_for(p.B * p.Hq * ceil_div(p.S, C::kBlockN)), C::kThreads, 0, stream>>>(p, ws);
-  backward_dq_kernel<scalar_t><<<grid_for(p.B * p.Hq * ceil_div(p.L, C::kBlockM)), C::kThreads, 0, stream>>>(p, ws);
+  backward_dkdv_kernel<scalar_t><<<task_grid(p.B * p.Hq * ceil_div(p.S, C::kBlockN)), C::kThreads, 0, stream>>>(p, ws);
+  backward_dq_kernel<scalar_t><<<task_grid(p.B * p.Hq * ceil_div(p.L, C::kBlockM)), C::kThreads, 0, stream>>>(p, ws);
 }
 
 }  // namespace

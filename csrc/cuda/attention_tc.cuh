@@ -2,7 +2,7 @@
 // attention_tc_bwd.cu) share: the tile sizes, the PTX wrappers, the
 // shared-memory tile layout, and the masking and dropout of score fragments.
 //
-// Torch-free on purpose (see launch.h): CUDA headers and our own headers only.
+// Torch-free on purpose (see kernels.h): CUDA headers and our own headers only.
 //
 // =============================================================================
 // Method (FlashAttention-2, written by hand with mma.sync)
@@ -92,7 +92,7 @@
 #include <type_traits>
 
 #include "../attention_math.h"
-#include "launch.h"
+#include "kernels.h"
 
 namespace attn_ext::cuda::tc {
 
@@ -596,7 +596,7 @@ __device__ __forceinline__ int64_t first_row_seeing(const AttnParams& p, int64_t
 }
 
 // Grids put (batch, head) on y (and z past 65535).
-inline dim3 grid_for(int64_t tiles, int64_t batch_heads) {
+inline dim3 tile_grid(int64_t tiles, int64_t batch_heads) {
   const int64_t y = batch_heads < 65535 ? batch_heads : 65535;
   return dim3(static_cast<unsigned>(tiles), static_cast<unsigned>(y), static_cast<unsigned>((batch_heads + y - 1) / y));
 }

@@ -398,7 +398,7 @@ template <typename T, int kHeadDim, bool kShort>
 void launch_backward_tiles(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim, kShort>;
   const int64_t n_blocks = (p.S + Tr::kBlockN - 1) / Tr::kBlockN;
-  launch_kernel<attention_bwd_tc_kernel<T, kHeadDim, kShort>>(grid_for(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
+  launch_kernel<attention_bwd_tc_kernel<T, kHeadDim, kShort>>(tile_grid(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
                                                               Tr::kSmemBytes, stream, p, ws);
 }
 

@@ -320,7 +320,7 @@ template <typename T, int kHeadDim>
 void launch_forward(const AttnParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   const int64_t m_blocks = (p.L + Tr::kBlockM - 1) / Tr::kBlockM;
-  launch_kernel<attention_fwd_tc_kernel<T, kHeadDim>>(grid_for(m_blocks, p.B * p.Hq), dim3(Tr::kThreads),
+  launch_kernel<attention_fwd_tc_kernel<T, kHeadDim>>(tile_grid(m_blocks, p.B * p.Hq), dim3(Tr::kThreads),
                                                       Tr::kSmemBytes, stream, p);
 }
 

@@ -17,26 +17,12 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
+
+from bench_gpu import _impls  # ours and SDPA's backends, as the full benchmark runs them
 
 CASES = [(64, 512, True), (64, 512, False), (64, 1024, True), (64, 1024, False), (64, 2048, False), (64, 2048, True),
          (64, 8192, False), (128, 512, True), (128, 1024, True), (128, 1024, False), (128, 2048, False),
          (128, 2048, True), (128, 8192, False)]
-
-
-def _impl(name):
-    import attn_ext
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if name == "ours":
-        return lambda q, k, v, c: attn_ext.scaled_dot_product_attention(q, k, v, is_causal=c)
-    backend = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[name]
-
-    def fn(q, k, v, c):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=c)
-
-    return fn
 
 
 def median_ms(fn, target_s=0.15):
@@ -63,6 +49,7 @@ def main(argv):
         print("bench_gpu_backward: no CUDA device is available here", file=sys.stderr)
         return 2
     label = argv[0] if argv else "attn_ext"
+    impls = _impls()
     print(f"== {label}  {torch.cuda.get_device_name()}  torch {torch.__version__}")
     print(f"{'E':>4} {'L':>6} {'causal':>6} | {'fwd ours':>8} {'fwd fl':>8} {'x':>5} | {'bwd ours':>8} {'bwd fl':>8} "
           f"{'x':>5} | {'cudnn f/b':>11} | relerr dq dk dv")
@@ -75,7 +62,7 @@ def main(argv):
         flops = 4 * B * H * L * L * E / (2 if causal else 1)
         tflops, grads = {}, {}
         for name in ("ours", "flash", "cudnn"):
-            fn = _impl(name)
+            fn = impls[name]
             try:
                 out = fn(q, k, v, causal)
             except RuntimeError:  # this SDPA backend does not take these inputs

@@ -155,21 +155,20 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
             "use attn_implementation='eager' for them")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     B, Hq, L, _ = query.shape
-    S = key.shape[2]
+    Hkv, S = key.shape[1], key.shape[2]
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1):
         # A whole mask, causal and window included: transformers' own (float), or a
         # 4-D mask the user gave the model, which transformers passes on as it is.
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.to(query.dtype)
         out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                           dropout_p=dropout, scale=scaling, enable_gqa=Hq != key.shape[1],
+                                           dropout_p=dropout, scale=scaling, enable_gqa=Hq != Hkv,
                                            softcap=softcap, sinks=s_aux)
         return out.transpose(1, 2).contiguous(), None
 
     window = None
     if sliding_window is not None and (causal or sliding_window < max(L, S)):
         window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
-    Hkv = key.shape[1]
     if L == 1 and Hq > Hkv and window is None and s_aux is None and dropout == 0.0:
         # A decoding step with grouped-query attention: the query heads of a group
         # become the rows of one head (transformers' sdpa path does the same), so each
@@ -188,7 +187,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                softcap=softcap, sinks=s_aux)
         return out.unsqueeze(0).contiguous(), None
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                       is_causal=causal, scale=scaling, enable_gqa=Hq != key.shape[1],
+                                       is_causal=causal, scale=scaling, enable_gqa=Hq != Hkv,
                                        causal_alignment="bottom_right", window=window, softcap=softcap, sinks=s_aux)
     return out.transpose(1, 2).contiguous(), None
 

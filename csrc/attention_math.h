@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 // at::philox_engine (host + device, c10 macros only). Its host-only randn
 // uses AT_ASSERT under __CUDA_ARCH__ without including c10/util/Exception.h,
@@ -44,7 +45,7 @@ using acc_t = typename AccType<scalar_t>::type;
 
 // Keys [0, causal_key_end(p, i)) are visible from query row i (all S keys
 // when the attention is not causal). 0 means the row sees no key at all.
-// (The CUDA kernels' bound; they take no window yet.)
+// (The tensor-core CUDA kernels' bound: they take no window.)
 ATTN_HOST_DEVICE int64_t causal_key_end(const AttnParams& p, int64_t i) {
   if (!p.causal) return p.S;
   const int64_t end = i + p.causal_offset + 1;
@@ -85,6 +86,41 @@ ATTN_HOST_DEVICE KeyRange visible_row_range(const AttnParams& p, int64_t j0, int
 // Where row (b, h, i) keeps its log-sum-exp (and the backward its D).
 ATTN_HOST_DEVICE int64_t lse_index(const AttnParams& p, int64_t b, int64_t h, int64_t i) {
   return b * p.lse_stride[0] + h * p.lse_stride[1] + (p.row0 + i) * p.lse_stride[2];
+}
+
+// Sequence b of a packed batch (p.cu_q set) as a dense batch of one: its
+// pointers start at the sequence's first query and key rows (the batch stride
+// is 0, so b still indexes ALiBi slopes and nothing else), L and S are its
+// lengths, the alignment offset its own, and row0 its first query row, for lse,
+// D and the dropout stream. The CPU kernels read cu_q/cu_k in host memory, the
+// CUDA kernels in device memory.
+template <typename scalar_t>
+ATTN_HOST_DEVICE const void* rows_from(const void* base, int64_t row, int64_t row_stride) {
+  return base == nullptr ? nullptr : static_cast<const scalar_t*>(base) + row * row_stride;
+}
+template <typename scalar_t>
+ATTN_HOST_DEVICE void* rows_from(void* base, int64_t row, int64_t row_stride) {
+  return base == nullptr ? nullptr : static_cast<scalar_t*>(base) + row * row_stride;
+}
+template <typename scalar_t, typename Params>
+ATTN_HOST_DEVICE Params sequence_view(const Params& p, int64_t b) {
+  Params s = p;
+  const int64_t q0 = p.cu_q[b], k0 = p.cu_k[b];
+  s.L = p.cu_q[b + 1] - q0;
+  s.S = p.cu_k[b + 1] - k0;
+  s.causal_offset = p.bottom_right ? s.S - s.L : 0;
+  s.row0 = q0;
+  s.q = rows_from<scalar_t>(p.q, q0, p.q_stride[2]);
+  s.k = rows_from<scalar_t>(p.k, k0, p.k_stride[2]);
+  s.v = rows_from<scalar_t>(p.v, k0, p.v_stride[2]);
+  s.out = rows_from<scalar_t>(p.out, q0, p.o_stride[2]);
+  if constexpr (std::is_same_v<Params, AttnBwdParams>) {
+    s.dout = rows_from<scalar_t>(p.dout, q0, p.do_stride[2]);
+    s.dq = rows_from<scalar_t>(p.dq, q0, p.dq_stride[2]);
+    s.dk = rows_from<scalar_t>(p.dk, k0, p.dk_stride[2]);
+    s.dv = rows_from<scalar_t>(p.dv, k0, p.dv_stride[2]);
+  }
+  return s;
 }
 
 // Dropout keeps element (row, j) iff its 32-bit random number u satisfies

@@ -249,6 +249,18 @@ void describe_variants(AttnParams& p, Variants& v, const at::Tensor& query) {
   }
 }
 
+at::Tensor grad_sinks_buffer(AttnBwdParams& p, const Variants& variants, const at::Tensor& query) {
+  if (!variants.sinks.has_value()) return at::Tensor();
+  at::Tensor buffer = at::zeros({p.B, p.Hq}, query.options().dtype(accumulation_dtype(query.scalar_type())));
+  p.dsinks = buffer.data_ptr();
+  return buffer;
+}
+
+at::Tensor grad_sinks_from(const at::Tensor& buffer, const Variants& variants, const at::Tensor& query) {
+  if (!buffer.defined()) return at::empty({0}, query.options());
+  return buffer.sum(0).to(variants.sinks->scalar_type());
+}
+
 namespace {
 // cu_seqlens as the kernels read them: int64, contiguous, checked (names the argument).
 at::Tensor checked_cu_seqlens(const at::Tensor& cu, const char* name, int64_t total, const char* total_of) {

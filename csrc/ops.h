@@ -47,6 +47,13 @@ inline Variants variants_of(std::optional<int64_t> window_left, std::optional<in
 // Checks the variants against the batch and heads of `p` and fills their fields.
 void describe_variants(AttnParams& p, Variants& variants, const at::Tensor& query);
 
+// The sinks' gradient: the kernels write each (b, h)'s part into a (B, Hq)
+// buffer in lse's dtype, which grad_sinks_buffer allocates (zeroed) and
+// describes as p.dsinks (undefined without sinks); grad_sinks_from sums it over
+// b into the sinks' dtype (an empty tensor without sinks).
+at::Tensor grad_sinks_buffer(AttnBwdParams& p, const Variants& variants, const at::Tensor& query);
+at::Tensor grad_sinks_from(const at::Tensor& buffer, const Variants& variants, const at::Tensor& query);
+
 // A packed batch (varlen ops): query (total_q, Hq, E), key (total_k, Hkv, E),
 // value (total_k, Hkv, Ev), cu_seqlens int32/int64 (B + 1,) from 0 to the totals,
 // non-decreasing, on the CPU (the lengths are read on the host). Fills every

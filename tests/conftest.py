@@ -10,9 +10,6 @@ import torch
 
 KERNEL_TESTS = {"test_sdpa_forward", "test_sdpa_backward", "test_tiling", "test_dropout", "test_probs",
                 "test_reference", "test_variants", "test_varlen"}
-# Modules whose every test needs what the CUDA kernels do not have yet (see
-# helpers.CUDA_LACKS_VARIANTS): their CUDA variants are skipped with that reason.
-CUDA_LACKS = {"test_variants", "test_varlen"}
 # Tests of the float64 reference's own definitions (no kernel runs): the CPU is enough.
 CPU_ONLY = {"test_reference_variants"}
 
@@ -24,11 +21,7 @@ def _cpu_variants():
     return info["cpu_isas"].split(), set(info["cpu_isas_supported"].split())
 
 
-def _cuda_param(module):
-    if module in CUDA_LACKS:
-        from helpers import CUDA_LACKS_VARIANTS
-
-        return pytest.param("cuda", marks=pytest.mark.skip(reason=CUDA_LACKS_VARIANTS))
+def _cuda_param():
     return pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available"))
 
 
@@ -49,7 +42,7 @@ def pytest_generate_tests(metafunc):
                                                          f"(it runs: {' '.join(sorted(supported))})"))
             for isa in compiled
         ]
-    metafunc.parametrize("device", params + [_cuda_param(module)], indirect=True)
+    metafunc.parametrize("device", params + [_cuda_param()], indirect=True)
 
 
 @pytest.fixture

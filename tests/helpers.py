@@ -48,19 +48,6 @@ FLOOR = {
 }
 
 
-# The CUDA kernels take no attention variant (window, softcap, ALiBi, sinks) and no
-# packed batch yet: they refuse them with NotImplementedError, which
-# test_errors.test_cuda_refuses_the_variants_and_packed_batches_naming_them checks.
-CUDA_LACKS_VARIANTS = ("the CUDA kernels take no window, softcap, ALiBi, sinks or packed batch yet "
-                       "(they raise NotImplementedError; test_errors checks that)")
-
-
-def skip_cuda_variants(device):
-    """Skips the calling test on CUDA: it runs a variant or a packed batch."""
-    if str(device).startswith("cuda"):
-        pytest.skip(CUDA_LACKS_VARIANTS)
-
-
 def lse_dtype(dtype):
     """The dtype attn_ext returns the log-sum-exp in (the accumulation type): the
     rule of attn_ext.ops (its fake kernels), which the tests hold the kernels to."""

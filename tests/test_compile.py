@@ -3,7 +3,7 @@
 import torch
 
 import attn_ext
-from helpers import make_generator, rel_err, skip_cuda_variants
+from helpers import make_generator, rel_err
 
 
 def _qkv(device, dtype=torch.float32, requires_grad=True):
@@ -95,7 +95,6 @@ def _variants(q, k, v, bias, slopes, sinks):
 
 
 def test_variants_compile_with_fullgraph(device):
-    skip_cuda_variants(device)
     torch._dynamo.reset()
     q, k, v = _qkv(device)
     gen = make_generator(3)
@@ -122,7 +121,6 @@ def _packed(q, k, v, cu_q, cu_k, sinks):
 
 
 def test_varlen_compiles_with_fullgraph(device):
-    skip_cuda_variants(device)
     torch._dynamo.reset()
     gen = make_generator(4)
     lens_q, lens_k = [5, 0, 9, 3], [7, 2, 11, 3]
@@ -143,7 +141,6 @@ def test_varlen_compiles_with_fullgraph(device):
 
 
 def test_variants_and_varlen_export_keep_the_operators_in_the_graph(device):
-    skip_cuda_variants(device)
     class Variants(torch.nn.Module):
         def forward(self, q, k, v, bias, slopes, sinks):
             return _variants(q, k, v, bias, slopes, sinks)

@@ -111,38 +111,16 @@ def test_legal_edge_values_give_finite_results(device):
     assert torch.isfinite(sdpa(q, k, v, dropout_p=0.999)).all()
 
 
-# What the CUDA kernels do not take yet: each is refused, naming it, rather than
-# computed without it (helpers.CUDA_LACKS_VARIANTS skips their other tests there).
-CUDA_REFUSED = {
-    "window": (dict(window=(4, 0)), "window"),
-    "window_left_only": (dict(window=(4, None)), "window"),
-    "softcap": (dict(softcap=30.0), "softcap"),
-    "alibi": (dict(alibi_slopes=lambda: torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")), "alibi_slopes"),
-    "sinks": (dict(sinks=lambda: torch.zeros(4, device="cuda")), "sinks"),
-}
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-@pytest.mark.parametrize("case", list(CUDA_REFUSED))
-def test_cuda_refuses_the_variants_and_packed_batches_naming_them(case):
-    import attn_ext
-
-    kwargs, name = CUDA_REFUSED[case]
-    kwargs = {k: (v() if callable(v) else v) for k, v in kwargs.items()}
-    q, k, v = _qkv("cuda")
-    with pytest.raises(NotImplementedError, match=f"{name} is not implemented in the CUDA kernels"):
-        attn_ext.scaled_dot_product_attention(q, k, v, **kwargs)
-    with pytest.raises(NotImplementedError, match=f"{name} is not implemented in the CUDA kernels"):
-        attn_ext.attention_probs(q, k, **kwargs)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
-def test_cuda_refuses_packed_batches_after_checking_them():
+def test_cuda_names_bad_cu_seqlens():
+    """cu_seqlens on the GPU are read on the host once, checked there, and named as on the CPU."""
     import attn_ext
 
     q, k, v = (_t((9, 2, 16), "cuda") for _ in range(3))
     cu = torch.tensor([0, 4, 9], device="cuda")
-    with pytest.raises(NotImplementedError, match="varlen_attention .* not implemented in the CUDA kernels"):
-        attn_ext.varlen_attention(q, k, v, cu, cu, 5, 5)
-    with pytest.raises(ERRORS, match="cu_seqlens_q"):  # bad input is still named first
+    with pytest.raises(ERRORS, match="cu_seqlens_q must be non-decreasing"):
         attn_ext.varlen_attention(q, k, v, torch.tensor([0, 5, 4], device="cuda"), cu, 5, 5)
+    with pytest.raises(ERRORS, match="cu_seqlens_k must end at the number of rows of key"):
+        attn_ext.varlen_attention(q, k, v, cu, torch.tensor([0, 4, 8], device="cuda"), 5, 5)
+    with pytest.raises(ERRORS, match="max_seqlen_q must be at least"):
+        attn_ext.varlen_attention(q, k, v, cu, cu, 4, 5)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import attn_ext
-from helpers import make_generator, rel_err, skip_cuda_variants
+from helpers import make_generator, rel_err
 
 DTYPES = [torch.float32, torch.float64]
 dtypes = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
@@ -453,7 +453,6 @@ def _variant_reference(m, x, is_causal, cu_seqlens=None):
                          ids=["window", "window_softcap", "sinks", "everything"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_module_variants_match_the_reference(device, variants, is_causal):
-    skip_cuda_variants(device)
     torch.manual_seed(0)
     m = attn_ext.MultiHeadAttention(E, H, batch_first=True, dtype=torch.float64, **variants).to(device)
     if m.sinks is not None:
@@ -474,7 +473,6 @@ def test_module_variants_match_the_reference(device, variants, is_causal):
 
 @pytest.mark.parametrize("variants", [dict(), dict(window=(2, 0), sinks=True)], ids=["plain", "window_sinks"])
 def test_module_packed_sequences_match_each_sequence_alone(device, variants):
-    skip_cuda_variants(device)
     torch.manual_seed(0)
     m = attn_ext.MultiHeadAttention(E, H, dtype=torch.float64, num_kv_heads=2, **variants).to(device)
     cu = torch.tensor([0, 3, 3, 10, 11], device=device)

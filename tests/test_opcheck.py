@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from helpers import attn_ops, make_generator, make_mask, make_qkv, op_args, skip_cuda_variants
+from helpers import attn_ops, make_generator, make_mask, make_qkv, op_args
 
 SAMPLES = ["plain", "bool_mask", "float_mask_grad", "causal_top_left", "causal_bottom_right",
            "dropout", "gqa", "gqa_causal_mask_dropout", "non_contiguous", "L_ne_S_odd"]
@@ -73,8 +73,6 @@ def _forward_values(sample, dtype, device, requires_grad=True):
 @dtypes
 @pytest.mark.parametrize("sample", SAMPLES + VARIANT_SAMPLES)
 def test_opcheck_attention_forward(device, dtype, sample):
-    if sample in VARIANT_SAMPLES:
-        skip_cuda_variants(device)
     op = attn_ops().attention_forward.default
     torch.library.opcheck(op, op_args(op, **_forward_values(sample, dtype, device)))
 
@@ -90,8 +88,6 @@ def _backward_cases():
                          ids=[f"{str(d)[6:]}-{s}" for d, s in _backward_cases()])
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["no_grad_lse", "grad_lse"])
 def test_opcheck_attention_backward(device, dtype, sample, with_grad_lse):
-    if sample in VARIANT_SAMPLES:
-        skip_cuda_variants(device)
     values = _forward_values(sample, dtype, device, requires_grad=False)
     fwd = attn_ops().attention_forward.default
     out, lse = fwd(*op_args(fwd, **values))
@@ -119,14 +115,12 @@ def _probs_values(sample, device):
 
 @pytest.mark.parametrize("sample", PROBS_SAMPLES)
 def test_opcheck_attention_probs_with_variants(device, sample):
-    skip_cuda_variants(device)
     op = attn_ops().attention_probs.default
     torch.library.opcheck(op, op_args(op, **_probs_values(sample, device)))
 
 
 @pytest.mark.parametrize("sample", ["everything_gqa_float_mask_dropout"])
 def test_opcheck_attention_probs_backward_with_variants(device, sample):
-    skip_cuda_variants(device)
     values = _probs_values(sample, device)
     values = {n: (t.detach() if torch.is_tensor(t) else t) for n, t in values.items()}
     fwd = attn_ops().attention_probs.default
@@ -173,7 +167,6 @@ def _varlen_values(sample, dtype, device, requires_grad=True):
 @dtypes
 @pytest.mark.parametrize("sample", VARLEN_SAMPLES)
 def test_opcheck_varlen_forward(device, dtype, sample):
-    skip_cuda_variants(device)
     op = attn_ops().varlen_forward.default
     torch.library.opcheck(op, op_args(op, **_varlen_values(sample, dtype, device)))
 
@@ -181,7 +174,6 @@ def test_opcheck_varlen_forward(device, dtype, sample):
 @pytest.mark.parametrize("sample", VARLEN_BACKWARD_SAMPLES)
 @pytest.mark.parametrize("with_grad_lse", [False, True], ids=["no_grad_lse", "grad_lse"])
 def test_opcheck_varlen_backward(device, sample, with_grad_lse):
-    skip_cuda_variants(device)
     values = _varlen_values(sample, torch.float64, device, requires_grad=False)
     fwd = attn_ops().varlen_forward.default
     out, lse = fwd(*op_args(fwd, **values))

@@ -277,6 +277,34 @@ def test_multi_tile_window_forward_and_grads_match_reference(device, case, dtype
     check_backward(q, k, v, mask, kw, seed=7, lse_weight=True)
 
 
+# The tensor-core CUDA kernels take windows too (float16/bfloat16, E = Ev in 32, 64,
+# 96, 128; their query tiles are 64-128 rows, their key tiles 64-128 keys): windows
+# that leave whole key tiles out, cut tiles at their left or right edge, and rows
+# that see no key. On the CPU the same shapes run through its kernels.
+TC_WINDOW_CASES = {
+    "E64_L700_window_100_20": dict(B=1, L=700, S=700, E=64, Ev=64, window=(100, 20)),
+    "E128_L520_gqa_causal_window_200": dict(B=1, Hq=4, Hkv=2, L=520, S=520, E=128, Ev=128, window=(200, 0),
+                                            is_causal=True),
+    "E64_L300_S900_bottom_right_causal_window_64": dict(B=2, L=300, S=900, E=64, Ev=64, window=(64, None),
+                                                        is_causal=True, causal_alignment="bottom_right"),
+    # rows i < 593 see no key: output 0, lse -inf
+    "E64_L900_S300_bottom_right_window_30_7": dict(B=1, L=900, S=300, E=64, Ev=64, window=(30, 7),
+                                                   causal_alignment="bottom_right"),
+    "E32_L400_right_only_50": dict(B=1, L=400, S=400, E=32, Ev=32, window=(None, 50)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_ids)
+@pytest.mark.parametrize("case", list(TC_WINDOW_CASES))
+def test_tensor_core_window_forward_and_grads_match_reference(device, case, dtype):
+    cfg = TC_WINDOW_CASES[case]
+    q, k, v, mask, kw = _case(case, dtype, device, seed=11, requires_grad=True, cfg=cfg)
+    if q.is_cuda:  # the call runs on the tensor-core kernels (a window does not change the choice)
+        assert torch.ops.attn_ext.tensor_core_reason(q, k, v) == ""
+    check_forward(q, k, v, mask, kw)
+    check_backward(q, k, v, mask, kw, seed=11, lse_weight=True)
+
+
 def test_keys_outside_every_window_get_zero_grad(device):
     # L = S = 300, window (10, 0) top_left: key j is seen by rows j..j+10 only; with
     # queries 0..149 only, keys 150.. are outside every window: dK = dV = 0 exactly.

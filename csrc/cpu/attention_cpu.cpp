@@ -70,19 +70,6 @@ BwdOutputs make_backward_outputs(AttnBwdParams& p, const at::Tensor& query, cons
   return o;
 }
 
-// The variants' gradient: the sinks' (B, Hq) partial sums, in lse's dtype, described in p.
-at::Tensor grad_sinks_buffer(AttnBwdParams& p, const Variants& variants, const at::Tensor& query) {
-  if (!variants.sinks.has_value()) return at::Tensor();
-  at::Tensor buffer = at::zeros({p.B, p.Hq}, query.options().dtype(accumulation_dtype(query.scalar_type())));
-  p.dsinks = buffer.data_ptr();
-  return buffer;
-}
-
-at::Tensor grad_sinks_from(const at::Tensor& buffer, const Variants& variants, const at::Tensor& query) {
-  if (!buffer.defined()) return at::empty({0}, query.options());
-  return buffer.sum(0).to(variants.sinks->scalar_type());
-}
-
 // The forward of every op: the variants described in p, the outputs allocated
 // (make_forward_outputs), the kernel run. Returns {out or probs, lse}.
 std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,

@@ -699,41 +699,6 @@ class VecForwardProducts {
 // ---------------------------------------------------------------------------
 // Packed batches and windows: what the drivers share.
 // ---------------------------------------------------------------------------
-template <typename scalar_t>
-inline const void* rows_from(const void* base, int64_t row, int64_t row_stride) {
-  return base == nullptr ? nullptr : static_cast<const scalar_t*>(base) + row * row_stride;
-}
-template <typename scalar_t>
-inline void* rows_from(void* base, int64_t row, int64_t row_stride) {
-  return base == nullptr ? nullptr : static_cast<scalar_t*>(base) + row * row_stride;
-}
-
-// Sequence b of a packed batch (p.cu_q set) as a dense batch of one: its
-// pointers start at the sequence's first query and key rows (the batch stride
-// is 0, so b still indexes ALiBi slopes and nothing else), L and S are its
-// lengths, the alignment offset its own, and row0 its first query row, for lse,
-// D and the dropout stream. Only called for packed batches.
-template <typename scalar_t, typename Params>
-Params sequence_view(const Params& p, int64_t b) {
-  Params s = p;
-  const int64_t q0 = p.cu_q[b], k0 = p.cu_k[b];
-  s.L = p.cu_q[b + 1] - q0;
-  s.S = p.cu_k[b + 1] - k0;
-  s.causal_offset = p.bottom_right ? s.S - s.L : 0;
-  s.row0 = q0;
-  s.q = rows_from<scalar_t>(p.q, q0, p.q_stride[2]);
-  s.k = rows_from<scalar_t>(p.k, k0, p.k_stride[2]);
-  s.v = rows_from<scalar_t>(p.v, k0, p.v_stride[2]);
-  s.out = rows_from<scalar_t>(p.out, q0, p.o_stride[2]);
-  if constexpr (std::is_same_v<Params, AttnBwdParams>) {
-    s.dout = rows_from<scalar_t>(p.dout, q0, p.do_stride[2]);
-    s.dq = rows_from<scalar_t>(p.dq, q0, p.dq_stride[2]);
-    s.dk = rows_from<scalar_t>(p.dk, k0, p.dk_stride[2]);
-    s.dv = rows_from<scalar_t>(p.dv, k0, p.dv_stride[2]);
-  }
-  return s;
-}
-
 // One thread's view of the sequence its current task is in: the batch itself
 // when dense, sequence_view when packed (rebuilt only when the sequence changes).
 template <typename scalar_t, typename Params>

@@ -4,7 +4,6 @@
 // launch them on the current stream. The contracts (shapes, dtypes,
 // contiguity of the results) are the CPU implementations' in
 // csrc/cpu/attention_cpu.cpp; validation is make_params() from ops.h.
-#include <limits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -33,6 +32,7 @@ void point_to_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed)
 // ---------------------------------------------------------------------------
 
 // nullptr when the tensor-core kernels can run `p` on the current device, else why not.
+// (A call without keys runs on the generic kernels, whatever this says.)
 const char* tensor_core_reason_for(const AttnParams& p) {
   const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
   return cuda::tensor_core_unsupported(p, prop->major, prop->minor, static_cast<int>(prop->sharedMemPerBlockOptin));
@@ -40,7 +40,7 @@ const char* tensor_core_reason_for(const AttnParams& p) {
 
 void launch_forward(const AttnParams& p) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (p.probs == nullptr && tensor_core_reason_for(p) == nullptr) {
+  if (p.probs == nullptr && p.S > 0 && tensor_core_reason_for(p) == nullptr) {
     cuda::forward_tensor_core(p, stream);
   } else {
     cuda::forward_generic(p, stream);
@@ -106,6 +106,20 @@ at::Tensor grad_mask_of(const BwdBuffers& buf, const at::Tensor& attn_mask) {
   return g.view(attn_mask.sizes()).to(attn_mask.scalar_type());
 }
 
+// The rows of the per-query-head accumulators: (B, Hq, L) and (B, Hq, S), or
+// (total_q, Hq) and (total_k, Hq) for a packed batch (read on the host, before
+// the kernels get the device copies of cu_seqlens).
+std::vector<int64_t> query_rows(const AttnParams& p) {
+  return p.cu_q != nullptr ? std::vector<int64_t>{p.cu_q[p.B], p.Hq} : std::vector<int64_t>{p.B, p.Hq, p.L};
+}
+std::vector<int64_t> key_rows(const AttnParams& p) {
+  return p.cu_k != nullptr ? std::vector<int64_t>{p.cu_k[p.B], p.Hq} : std::vector<int64_t>{p.B, p.Hq, p.S};
+}
+std::vector<int64_t> with_cols(std::vector<int64_t> rows, int64_t cols) {
+  rows.push_back(cols);
+  return rows;
+}
+
 // Common part of both backwards: lse/dlse, seed, workspace, mask gradient.
 // kv_direct: the tensor-core kernel will run without grouped-query attention,
 // so dK and dV need no accumulators (see BwdWorkspace).
@@ -129,8 +143,8 @@ BwdBuffers allocate_backward(AttnBwdParams& p, const at::Tensor& query, const at
     TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask, got none");
     make_mask_buffer(p, buf, *attn_mask, acc);
   }
-  buf.dq = at::zeros({p.B, p.Hq, p.L, p.E}, opts);
-  buf.delta = at::zeros({p.B, p.Hq, p.L}, opts);
+  buf.dq = at::zeros(with_cols(query_rows(p), p.E), opts);
+  buf.delta = at::zeros(query_rows(p), opts);
   buf.ws.dq_accum = buf.dq.data_ptr();
   buf.ws.delta = buf.delta.data_ptr();
   buf.kv_direct = kv_direct && with_value && p.Hq == p.Hkv;
@@ -142,34 +156,35 @@ BwdBuffers allocate_backward(AttnBwdParams& p, const at::Tensor& query, const at
     return buf;
   }
   // dk/dv get one slice per query head; the host sums each GQA group afterwards.
-  buf.dk = at::zeros({p.B, p.Hq, p.S, p.E}, opts);
+  buf.dk = at::zeros(with_cols(key_rows(p), p.E), opts);
   buf.ws.dk_accum = buf.dk.data_ptr();
   if (with_value) {
-    buf.dv = at::zeros({p.B, p.Hq, p.S, p.Ev}, opts);
+    buf.dv = at::zeros(with_cols(key_rows(p), p.Ev), opts);
     buf.ws.dv_accum = buf.dv.data_ptr();
   }
   return buf;
 }
 
-// (B, Hq, S, D) per-query-head accumulator -> (B, Hkv, S, D) gradient in `dtype`.
+// Per-query-head accumulator -> gradient in `dtype` with Hkv heads:
+// (B, Hq, S, D) -> (B, Hkv, S, D), or packed (total_k, Hq, D) -> (total_k, Hkv, D).
 at::Tensor sum_over_groups(const at::Tensor& accum, const AttnParams& p, at::ScalarType dtype) {
   const int64_t group = p.Hkv > 0 ? p.Hq / p.Hkv : 1;
   if (group == 1) return accum.to(dtype);
+  if (accum.dim() == 3) return accum.view({accum.size(0), p.Hkv, group, accum.size(2)}).sum(2).to(dtype);
   return accum.view({p.B, p.Hkv, group, accum.size(2), accum.size(3)}).sum(2).to(dtype);
 }
 
-// The CUDA kernels take no window, softcap, ALiBi or sinks yet (the CPU ones do):
-// a call with one is refused, naming it, rather than computed without it.
-void reject_variants(std::optional<int64_t> window_left, std::optional<int64_t> window_right,
-                     std::optional<double> softcap, const std::optional<at::Tensor>& alibi_slopes,
-                     const std::optional<at::Tensor>& sinks) {
-  const char* given = window_left.has_value() || window_right.has_value() ? "window"
-                      : softcap.has_value()                               ? "softcap"
-                      : alibi_slopes.has_value()                          ? "alibi_slopes"
-                      : sinks.has_value()                                 ? "sinks"
-                                                                          : nullptr;
-  TORCH_CHECK_NOT_IMPLEMENTED(given == nullptr, "attn_ext: ", given,
-                              " is not implemented in the CUDA kernels of this build yet; the CPU kernels take it");
+// A packed batch's cu_seqlens, checked and kept as int64 on the host by
+// make_varlen_params, copied to the device for the kernels: p.cu_q/cu_k then
+// point there (call it after everything that reads them on the host).
+struct DeviceSeqlens {
+  at::Tensor cu_q, cu_k;
+};
+DeviceSeqlens to_device(AttnParams& p, const PackedSeqlens& cu, const at::Tensor& query) {
+  DeviceSeqlens d{cu.cu_q.to(query.device()), cu.cu_k.to(query.device())};
+  p.cu_q = d.cu_q.data_ptr<int64_t>();
+  p.cu_k = d.cu_k.data_ptr<int64_t>();
+  return d;
 }
 
 // ---------------------------------------------------------------------------
@@ -183,22 +198,58 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cuda(
     const std::optional<at::Tensor>& attn_mask,  // bool or query's dtype, broadcastable to (B, Hq, L, S)
     double dropout_p, bool is_causal, int64_t causal_offset, double scale,
     const std::optional<at::Tensor>& dropout_seed,  // int64, 1 element, on query's device
-    std::optional<int64_t> window_left,
-    std::optional<int64_t> window_right, std::optional<double> softcap,
-    const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+    std::optional<int64_t> window_left, std::optional<int64_t> window_right, std::optional<double> softcap,
+    const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
+    const std::optional<at::Tensor>& sinks) {       // (Hq,)
   const c10::cuda::CUDAGuard guard(query.device());
-  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
   if (lse.numel() == 0) return {out, lse};
-  if (p.S == 0) {  // no key at all: every row is fully masked
-    out.zero_();
-    lse.fill_(-std::numeric_limits<double>::infinity());
-    return {out, lse};
-  }
   point_to_seed(p, dropout_seed);
   launch_forward(p);
   return {out, lse};
+}
+
+// The backward of the ops with a value once `p` holds the forward's parameters
+// (variants described): grad_out and out described, buffers allocated, the
+// kernels run. Returns dq, dk, dv (dk, dv with Hkv heads) and the sinks'
+// gradient buffer; the mask's gradient stays in `buf`.
+struct BackwardResults {
+  at::Tensor grad_query, grad_key, grad_value, sinks_buffer;
+};
+BackwardResults run_backward_kernels(AttnBwdParams& p, BwdBuffers& buf, const Variants& variants,
+                                     const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& out,
+                                     const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
+                                     const std::optional<at::Tensor>& attn_mask,
+                                     const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask,
+                                     const PackedSeqlens* cu) {
+  describe_grad_output(p, grad_out, out, query);
+  // Both kernel families read out and grad_out through any strides, so the
+  // forward's choice (made from q, k, v, mask, ...) holds for the backward.
+  // Without keys (S = 0) only the sinks can have a gradient.
+  const bool launch = p.B > 0 && p.Hq > 0 && p.L > 0;  // else every gradient is 0: the zeroed buffers
+  const bool tensor_cores = launch && p.S > 0 && tensor_core_reason_for(p) == nullptr;
+  buf = allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
+  BackwardResults g;
+  g.sinks_buffer = grad_sinks_buffer(p, variants, query);
+  DeviceSeqlens device_cu;
+  if (cu != nullptr) device_cu = to_device(p, *cu, query);
+  if (launch) {
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (tensor_cores) {
+      cuda::backward_tensor_core(p, buf.ws, stream);
+    } else {
+      cuda::backward_generic(p, buf.ws, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const at::ScalarType dtype = query.scalar_type();
+  g.grad_query = buf.dq.to(dtype);
+  g.grad_key = buf.kv_direct ? buf.dk : sum_over_groups(buf.dk, p, dtype);
+  g.grad_value = buf.kv_direct ? buf.dv : sum_over_groups(buf.dv, p, dtype);
+  return g;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
@@ -214,32 +265,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     std::optional<int64_t> window_right, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(query.device());
-  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  describe_grad_output(p, grad_out, out, query);
-  // Both kernel families read out and grad_out through any strides, so the
-  // forward's choice (made from q, k, v, mask, ...) holds for the backward.
-  const bool launch = p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0;  // else every gradient is 0: the zeroed buffers
-  const bool tensor_cores = launch && tensor_core_reason_for(p) == nullptr;
-  BwdBuffers buf =
-      allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
-  if (launch) {
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if (tensor_cores) {
-      cuda::backward_tensor_core(p, buf.ws, stream);
-    } else {
-      cuda::backward_generic(p, buf.ws, stream);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  const at::ScalarType dtype = query.scalar_type();
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
+  BwdBuffers buf;
+  BackwardResults g = run_backward_kernels(p, buf, variants, grad_out, query, out, lse, grad_lse, attn_mask,
+                                           dropout_seed, compute_grad_mask, nullptr);
   at::Tensor grad_mask = compute_grad_mask ? grad_mask_of(buf, *attn_mask) : at::empty({0}, query.options());
-  const at::Tensor no_sinks = at::empty({0}, query.options());
-  if (buf.kv_direct) return {buf.dq.to(dtype), buf.dk, buf.dv, grad_mask, no_sinks};
-  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), sum_over_groups(buf.dv, p, dtype), grad_mask,
-          no_sinks};
+  return {g.grad_query, g.grad_key, g.grad_value, grad_mask, grad_sinks_from(g.sinks_buffer, variants, query)};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
@@ -250,14 +285,11 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cuda(
     std::optional<int64_t> window_right, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
-  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   auto [probs, lse] = make_forward_outputs(p, query, /*probs=*/true);
   if (lse.numel() == 0) return {probs, lse};
-  if (p.S == 0) {
-    lse.fill_(-std::numeric_limits<double>::infinity());
-    return {probs, lse};
-  }
   point_to_seed(p, dropout_seed);
   launch_forward(p);  // the generic kernels: the tensor-core ones do not write probabilities
   return {probs, lse};
@@ -275,20 +307,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backw
     std::optional<int64_t> window_right, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks, bool compute_grad_mask) {
   const c10::cuda::CUDAGuard guard(query.device());
-  reject_variants(window_left, window_right, softcap, alibi_slopes, sinks);
   AttnBwdParams p;
   static_cast<AttnParams&>(p) =
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
   describe_grad_probs(p, grad_probs, probs, query);
   BwdBuffers buf =
       allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, false, false);
-  if (p.B > 0 && p.Hq > 0 && p.L > 0 && p.S > 0) {
+  at::Tensor dsinks = grad_sinks_buffer(p, variants, query);
+  if (p.B > 0 && p.Hq > 0 && p.L > 0) {
     cuda::backward_generic(p, buf.ws, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   const at::ScalarType dtype = query.scalar_type();
   at::Tensor grad_mask = compute_grad_mask ? grad_mask_of(buf, *attn_mask) : at::empty({0}, query.options());
-  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), grad_mask, at::empty({0}, query.options())};
+  return {buf.dq.to(dtype), sum_over_groups(buf.dk, p, dtype), grad_mask, grad_sinks_from(dsinks, variants, query)};
 }
 
 // Why attention_forward(query, key, value) would not run on the tensor-core
@@ -314,9 +348,9 @@ TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
   m.def("tensor_core_reason(Tensor query, Tensor key, Tensor value) -> str");
 }
 
-// Packed batches (varlen_attention) have no CUDA kernel yet: the inputs are
-// checked as on the CPU (so a bad cu_seqlens is named the same way), then the
-// call is refused rather than padded behind the user's back.
+// Packed batches (varlen_attention): the generic kernels, one launch over
+// (sequence, head, tile) for the whole batch. cu_seqlens are checked on the
+// host (make_varlen_params reads them there), then copied to the device.
 std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(
     const at::Tensor& query,         // (total_q, Hq, E)
     const at::Tensor& key,           // (total_k, Hkv, E)
@@ -327,25 +361,45 @@ std::tuple<at::Tensor, at::Tensor> varlen_forward_cuda(
     const std::optional<at::Tensor>& dropout_seed, std::optional<int64_t> window_left,
     std::optional<int64_t> window_right, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
+  const c10::cuda::CUDAGuard guard(query.device());
   PackedSeqlens cu;
   AttnParams p = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     dropout_p, is_causal, bottom_right, scale, dropout_seed, cu);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   describe_variants(p, variants, query);
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "attn_ext: varlen_attention (packed batches) is not implemented in the CUDA "
-                              "kernels of this build yet; the CPU kernels take it");
+  auto [out, lse] = make_forward_outputs(p, query, /*probs=*/false);
+  if (lse.numel() == 0) return {out, lse};
+  const DeviceSeqlens device_cu = to_device(p, cu, query);
+  point_to_seed(p, dropout_seed);
+  cuda::forward_generic(p, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> varlen_backward_cuda(
-    const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& query,
-    const at::Tensor& key, const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+    const at::Tensor& grad_out,                 // (total_q, Hq, Ev)
+    const std::optional<at::Tensor>& grad_lse,  // (total_q, Hq)
+    const at::Tensor& query,                    // (total_q, Hq, E)
+    const at::Tensor& key,                      // (total_k, Hkv, E)
+    const at::Tensor& value,                    // (total_k, Hkv, Ev)
+    const at::Tensor& out,                      // (total_q, Hq, Ev), varlen_forward's
+    const at::Tensor& lse,                      // (total_q, Hq), varlen_forward's
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     double dropout_p, bool is_causal, bool bottom_right, double scale, const std::optional<at::Tensor>& dropout_seed,
     std::optional<int64_t> window_left, std::optional<int64_t> window_right, std::optional<double> softcap,
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
-  varlen_forward_cuda(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, is_causal,
-                      bottom_right, scale, dropout_seed, window_left, window_right, softcap, alibi_slopes, sinks);
-  return {};  // not reached: the forward refuses
+  const c10::cuda::CUDAGuard guard(query.device());
+  PackedSeqlens cu;
+  AttnBwdParams p;
+  static_cast<AttnParams&>(p) = make_varlen_params(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, dropout_p, is_causal, bottom_right, scale,
+                                                   dropout_seed, cu);
+  Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  describe_variants(p, variants, query);
+  BwdBuffers buf;
+  BackwardResults g = run_backward_kernels(p, buf, variants, grad_out, query, out, lse, grad_lse, std::nullopt,
+                                           dropout_seed, false, &cu);
+  return {g.grad_query, g.grad_key, g.grad_value, grad_sinks_from(g.sinks_buffer, variants, query)};
 }
 
 TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {

@@ -1,8 +1,9 @@
 // attn_ext: the generic CUDA kernels: forward, backward and the explicit
 // probabilities for every dtype (float16/bfloat16 accumulate in float32,
 // float64 in float64), any head dims (E, Ev = 0 included), any strides, every
-// feature (additive/bool masks read through strides, causal, dropout, GQA).
-// They are the correctness kernels (gradcheck on the GPU runs on them) and the
+// feature: additive/bool masks read through strides, causal, sliding windows,
+// softcap, ALiBi, sinks, dropout, GQA and packed batches (varlen). They are
+// the correctness kernels (gradcheck on the GPU runs on them) and the
 // fallback of the tensor-core path.
 //
 // Method. Everything is built from one tile: a (kBlockM query rows) x
@@ -20,15 +21,19 @@
 //   probs       the same block with one output chunk: pass 1 finds each row's
 //               lse, pass 2 recomputes the scores and writes exp(S - lse),
 //               dropped, to params.probs.
-//   backward    (1) delta = rowsum(dO * O) - dlse, one warp per row;
-//               (2) one block per (b, h, key tile) loops over the query tiles,
-//                   recomputes P from lse and adds Z^T dO into dV and
-//                   scale dS^T Q into dK (the block owns those rows of the
-//                   workspace, so plain read-modify-writes, no atomics);
+//   backward    (1) delta = rowsum(dO * O) - dlse, one warp per row, then
+//                   the sinks' gradient, one block per (b, h);
+//               (2) one block per (b, h, key tile) loops over the query tiles
+//                   that see its keys, recomputes P from lse and adds Z^T dO
+//                   into dV and scale dS^T Q into dK (the block owns those rows
+//                   of the workspace, so plain read-modify-writes, no atomics);
 //               (3) one block per (b, h, query tile) loops over the key tiles,
 //                   recomputes dS and adds scale dS K into dQ (owned rows
 //                   again) and dS into the mask gradient (atomicAdd: mask
 //                   elements are shared across broadcast dims).
+//   Key tiles that no row of a query tile sees (causal bound, window) are
+//   never visited. A packed batch runs as B sequences of the longest one's
+//   tiles; a task past its own sequence's length ends at once.
 //   Every result is thus computed in one fixed order (deterministic) except
 //   the mask gradient when the mask broadcasts (the host decides; see
 //   attention_cuda.cpp).
@@ -74,6 +79,14 @@ __device__ __forceinline__ float acc_exp(float x) { return expf(x); }
 __device__ __forceinline__ double acc_exp(double x) { return exp(x); }
 __device__ __forceinline__ float acc_log(float x) { return logf(x); }
 __device__ __forceinline__ double acc_log(double x) { return log(x); }
+// tanh through expm1: under --use_fast_math nvcc turns tanhf into the
+// tanh.approx instruction (relative error about 2^-11, far above float32's
+// roundoff; the float64-reference tests see it), and expm1f stays exact to an ulp.
+__device__ __forceinline__ float acc_tanh(float x) {
+  const float em = expm1f(-2.0f * fabsf(x));  // in [-1, 0]
+  return copysignf(-em / (2.0f + em), x);
+}
+__device__ __forceinline__ double acc_tanh(double x) { return tanh(x); }
 
 template <typename T>
 __device__ __forceinline__ T neg_inf() {
@@ -90,6 +103,11 @@ struct GenericTiles {
   static constexpr int kBlockN = sizeof(T) == 8 ? 32 : 64;    // keys per tile
   static constexpr int kChunkD = 32;                          // head-dim chunk of Q K^T and dO V^T
   static constexpr int kChunkOut = sizeof(T) == 8 ? 32 : 64;  // columns of O, dQ, dK, dV per pass
+  // Blocks per SM the tile kernels are compiled for (__launch_bounds__): 4 caps
+  // them at 128 registers a thread, spilling a few bytes at most (ptxas -v).
+  // The variants' code (softcap, ALiBi, windows, packed views) would otherwise
+  // take them to 160-255 registers and halve the blocks resident per SM.
+  static constexpr int kMinBlocks = 4;
 
   // Score tile layout: thread (ty, tx) owns rows ty + kTy * a (a < kRows) and
   // keys 4 tx .. 4 tx + 3. The kTx threads of a row are adjacent lanes of one warp.
@@ -212,23 +230,36 @@ __device__ __forceinline__ void product_tile(T (&acc)[GenericTiles<T>::kRows][4]
   }
 }
 
-// Raw dot products -> masked scores: s * scale, plus the additive mask, or
-// -inf where the bool mask says no, past the causal bound or past the keys.
+// Raw dot products -> scores, in DESIGN.md's order: s * scale, then the
+// softcap (cap * tanh(s / cap); t keeps the tanh for the backward), minus the
+// ALiBi bias slope * |pos - j|, plus the additive mask; -inf where the bool
+// mask says no and outside the row's visible keys (causal bound, window, the
+// keys that exist). Rows past L see no key.
 template <typename T, typename scalar_t>
-__device__ __forceinline__ void mask_scores(T (&s)[GenericTiles<T>::kRows][4], const AttnParams& p, int64_t b, int64_t h,
-                                            int64_t i0, int64_t j0, int ty, int tx) {
+__device__ __forceinline__ void mask_scores(T (&s)[GenericTiles<T>::kRows][4], T (&t)[GenericTiles<T>::kRows][4],
+                                            const AttnParams& p, int64_t b, int64_t h, int64_t i0, int64_t j0, int ty,
+                                            int tx) {
   using C = GenericTiles<T>;
   const T scale = static_cast<T>(p.scale);
+  const bool softcap = p.softcap > 0.0;
+  const T cap = static_cast<T>(p.softcap), inv_cap = softcap ? static_cast<T>(1.0 / p.softcap) : T(0);
+  const T slope = p.alibi != nullptr ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h]) : T(0);
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
     const int64_t i = i0 + ty + C::kTy * r;
-    const int64_t key_end = i < p.L ? causal_key_end(p, i) : 0;  // all S keys when not causal
+    const KeyRange keys = i < p.L ? visible_key_range(p, i) : KeyRange{0, 0};
     const int64_t mask_row = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int64_t j = j0 + 4 * tx + c;
       T x = s[r][c] * scale;
-      if (j >= key_end) {
+      t[r][c] = T(0);
+      if (softcap) {
+        t[r][c] = acc_tanh(x * inv_cap);
+        x = cap * t[r][c];
+      }
+      if (p.alibi != nullptr) x -= slope * abs(static_cast<T>(i + p.causal_offset - j));
+      if (j < keys.begin || j >= keys.end) {
         x = neg_inf<T>();
       } else if (p.mask_kind == MaskKind::Additive) {
         x += to_acc(static_cast<const scalar_t*>(p.mask)[mask_row + j * p.mask_stride[3]]);
@@ -238,6 +269,24 @@ __device__ __forceinline__ void mask_scores(T (&s)[GenericTiles<T>::kRows][4], c
       s[r][c] = x;
     }
   }
+}
+
+// The keys [begin, end) that some row of the query tile [i0, i0 + kBlockM) of
+// `p` sees (causal bound, window), begin rounded down to a key tile. Key tiles
+// outside are never visited.
+template <typename T>
+__device__ __forceinline__ KeyRange tile_key_range(const AttnParams& p, int64_t i0) {
+  using C = GenericTiles<T>;
+  const int64_t begin = visible_key_range(p, i0).begin;
+  const int64_t end = visible_key_range(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1).end;
+  return KeyRange{begin / C::kBlockN * C::kBlockN, end};
+}
+
+// The parameters of the task's sequence: `p` itself for a dense batch, else
+// sequence b of the packed batch as a dense batch of one (attention_math.h).
+template <typename scalar_t, typename Params>
+__device__ __forceinline__ Params view_of(const Params& p, int64_t b) {
+  return p.cu_q == nullptr ? p : sequence_view<scalar_t>(p, b);
 }
 
 // The dropout decisions of keys j .. j + 3 (j % 4 == 0: one Philox block) in
@@ -271,29 +320,31 @@ struct ForwardSmem {
 };
 
 template <typename scalar_t>
-__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
-    forward_kernel(const __grid_constant__ AttnParams p) {
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, GenericTiles<acc_t<scalar_t>>::kMinBlocks)
+    forward_kernel(const __grid_constant__ AttnParams params) {
   using T = acc_t<scalar_t>;
   using C = GenericTiles<T>;
   constexpr int R = C::kRows, NC = C::kOutCols;
   __shared__ ForwardSmem<T> sm;
 
   const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
-  const bool write_probs = p.probs != nullptr;
-  const Dropout<T> drop(p);
-  const int64_t group = p.Hq / p.Hkv;
-  const int64_t n_qtiles = ceil_div(p.L, C::kBlockM);
-  const int64_t n_chunks = write_probs ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
-  const int64_t n_tasks = p.B * p.Hq * n_qtiles * n_chunks;
+  const bool write_probs = params.probs != nullptr;
+  const Dropout<T> drop(params);
+  const int64_t group = params.Hq / params.Hkv;
+  const int64_t n_qtiles = ceil_div(params.L, C::kBlockM);  // the longest sequence's when packed
+  const int64_t n_chunks = write_probs ? 1 : std::max<int64_t>(1, ceil_div(params.Ev, C::kChunkOut));
+  const int64_t n_tasks = params.B * params.Hq * n_qtiles * n_chunks;
 
   for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
     const int64_t chunk = task % n_chunks;
     const int64_t qt = (task / n_chunks) % n_qtiles;
-    const int64_t h = (task / (n_chunks * n_qtiles)) % p.Hq;
-    const int64_t b = task / (n_chunks * n_qtiles * p.Hq);
+    const int64_t h = (task / (n_chunks * n_qtiles)) % params.Hq;
+    const int64_t b = task / (n_chunks * n_qtiles * params.Hq);
+    const AttnParams p = view_of<scalar_t>(params, b);
     const int64_t hk = h / group;
     const int64_t i0 = qt * C::kBlockM, c0 = chunk * C::kChunkOut;
-    const int64_t kv_end = causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1);
+    if (i0 >= p.L) continue;  // a shorter sequence of a packed batch
+    const KeyRange kv = tile_key_range<T>(p, i0);
     const Mat<scalar_t> q = slice<scalar_t>(p.q, p.q_stride, b, h);
     const Mat<scalar_t> k = slice<scalar_t>(p.k, p.k_stride, b, hk);
 
@@ -306,10 +357,10 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
       for (int c = 0; c < NC; ++c) o[r][c] = T(0);
     }
 
-    for (int64_t j0 = 0; j0 < kv_end; j0 += C::kBlockN) {
-      T s[R][4];
+    for (int64_t j0 = kv.begin; j0 < kv.end; j0 += C::kBlockN) {
+      T s[R][4], unused_tanh[R][4];
       product_tile(s, sm.prod, q, i0, p.L - i0, k, j0, p.S - j0, p.E, ty, tx);
-      mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+      mask_scores<T, scalar_t>(s, unused_tanh, p, b, h, i0, j0, ty, tx);
 
       // Online softmax: s becomes exp(s - m_new); O and l are rescaled.
 #pragma unroll
@@ -365,15 +416,27 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
       }
     }
 
-    // lse (natural log; -inf for a row that saw no key) and out = O / l. A NaN
-    // score makes l NaN: output and lse NaN, as in PyTorch.
-    T* lse = static_cast<T*>(p.lse) + (b * p.Hq + h) * p.L;
-    T row_lse[R];
+    // The row's lse (natural log), the sink's logit joining the sum. l == 0
+    // only when the row saw no key and there is no sink: output 0, lse -inf.
+    // A NaN score makes l NaN: output and lse NaN, as in PyTorch. o_mul turns
+    // the row's O (relative to row_m) into the output.
+    T* lse = static_cast<T*>(p.lse);
+    const T* sink = p.sinks != nullptr ? static_cast<const T*>(p.sinks) + h : nullptr;
+    T row_lse[R], o_mul[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int64_t i = i0 + ty + C::kTy * r;
-      row_lse[r] = row_l[r] > T(0) ? row_m[r] + acc_log(row_l[r]) : (isnan(row_l[r]) ? row_l[r] : neg_inf<T>());
-      if (i < p.L && chunk == 0 && tx == 0) lse[i] = row_lse[r];
+      T mx = row_m[r], l = row_l[r];
+      if (sink != nullptr && !isnan(l)) {
+        const T m_new = max(mx, *sink);
+        if (m_new != neg_inf<T>()) {
+          l = (l > T(0) ? l * acc_exp(mx - m_new) : T(0)) + acc_exp(*sink - m_new);
+          mx = m_new;
+        }
+      }
+      row_lse[r] = l > T(0) ? mx + acc_log(l) : (isnan(l) ? l : neg_inf<T>());
+      o_mul[r] = row_l[r] > T(0) ? drop.keep_scale * acc_exp(row_m[r] - mx) / l : (isnan(l) ? l : T(0));
+      if (i < p.L && chunk == 0 && tx == 0) lse[lse_index(p, b, h, i)] = row_lse[r];
     }
     if (!write_probs) {
       scalar_t* out = static_cast<scalar_t*>(p.out) + b * p.o_stride[0] + h * p.o_stride[1];
@@ -381,23 +444,23 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
       for (int r = 0; r < R; ++r) {
         const int64_t i = i0 + ty + C::kTy * r;
         if (i >= p.L) continue;
-        const T inv = row_l[r] > T(0) ? drop.keep_scale / row_l[r] : (isnan(row_l[r]) ? row_l[r] : T(0));
 #pragma unroll
         for (int c = 0; c < NC; ++c) {
           const int64_t col = c0 + tx + C::kTx * c;
-          if (col < p.Ev) out[i * p.o_stride[2] + col * p.o_stride[3]] = from_acc<scalar_t>(o[r][c] * inv);
+          if (col < p.Ev) out[i * p.o_stride[2] + col * p.o_stride[3]] = from_acc<scalar_t>(o[r][c] * o_mul[r]);
         }
       }
       continue;
     }
 
-    // Pass 2 of the probabilities: P = exp(S - lse), dropped, over all S keys.
+    // Pass 2 of the probabilities: P = exp(S - lse), dropped, over all S keys
+    // (0 outside the visible ones).
     scalar_t* probs = static_cast<scalar_t*>(p.probs) + b * p.probs_stride[0] + h * p.probs_stride[1];
     for (int64_t j0 = 0; j0 < p.S; j0 += C::kBlockN) {
-      T s[R][4];
-      if (j0 < kv_end) {
+      T s[R][4], unused_tanh[R][4];
+      if (j0 >= kv.begin && j0 < kv.end) {
         product_tile(s, sm.prod, q, i0, p.L - i0, k, j0, p.S - j0, p.E, ty, tx);
-        mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+        mask_scores<T, scalar_t>(s, unused_tanh, p, b, h, i0, j0, ty, tx);
       } else {
 #pragma unroll
         for (int r = 0; r < R; ++r)
@@ -430,18 +493,21 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
 //   dS = P * (dP - delta);  dV = Z^T dO, dK = scale dS^T Q, dQ = scale dS K, dmask += dS
 // ---------------------------------------------------------------------------
 
-// (1) delta, one warp per (b, h, i) row.
+// (1) delta, one warp per (b, h, i) row (i below the longest sequence's
+// length when packed; the rows past a sequence's own length have no delta).
 template <typename scalar_t>
 __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
-    backward_delta_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+    backward_delta_kernel(const __grid_constant__ AttnBwdParams params, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
   constexpr int kWarps = GenericTiles<T>::kThreads / 32;
   const int lane = threadIdx.x % 32;
-  const bool from_probs = p.dprobs != nullptr;
-  const int64_t n_rows = p.B * p.Hq * p.L;
+  const bool from_probs = params.dprobs != nullptr;
+  const int64_t n_rows = params.B * params.Hq * params.L;
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < n_rows;
        row += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t i = row % p.L, h = (row / p.L) % p.Hq, b = row / (p.L * p.Hq);
+    const int64_t i = row % params.L, h = (row / params.L) % params.Hq, b = row / (params.L * params.Hq);
+    const AttnBwdParams p = view_of<scalar_t>(params, b);
+    if (i >= p.L) continue;
     T d = T(0);
     if (from_probs) {
       const Mat<scalar_t> z = slice<scalar_t>(p.probs, p.probs_stride, b, h);
@@ -454,27 +520,63 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
     }
     d = group_sum<32>(d);
     if (lane == 0) {
-      if (p.dlse != nullptr) d -= static_cast<const T*>(p.dlse)[row];
-      static_cast<T*>(ws.delta)[row] = d;
+      const int64_t at = lse_index(p, b, h, i);
+      if (p.dlse != nullptr) d -= static_cast<const T*>(p.dlse)[at];
+      static_cast<T*>(ws.delta)[at] = d;
+    }
+  }
+}
+
+// (1b) The sinks' gradient: dsinks[b, h] = -sum_i exp(sink_h - lse_i) delta_i
+// over the rows of (b, h) that saw something (the sink is a key whose value
+// is 0). One block per (b, h), summed in a fixed order (deterministic).
+template <typename scalar_t>
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
+    backward_sinks_kernel(const __grid_constant__ AttnBwdParams params, BwdWorkspace ws) {
+  using T = acc_t<scalar_t>;
+  constexpr int kThreads = GenericTiles<T>::kThreads, kWarps = kThreads / 32;
+  __shared__ T warp_sums[kWarps];
+  for (int64_t bh = blockIdx.x; bh < params.B * params.Hq; bh += gridDim.x) {
+    const int64_t b = bh / params.Hq, h = bh % params.Hq;
+    const AttnBwdParams p = view_of<scalar_t>(params, b);
+    const T sink = static_cast<const T*>(p.sinks)[h];
+    const T* lse = static_cast<const T*>(p.lse);
+    const T* delta = static_cast<const T*>(ws.delta);
+    T sum = T(0);
+    for (int64_t i = threadIdx.x; i < p.L; i += kThreads) {
+      const int64_t at = lse_index(p, b, h, i);
+      if (lse[at] != neg_inf<T>()) sum -= acc_exp(sink - lse[at]) * delta[at];
+    }
+    sum = group_sum<32>(sum);
+    __syncthreads();  // the previous (b, h) is done with warp_sums
+    if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      T total = T(0);
+      for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+      static_cast<T*>(p.dsinks)[bh] = total;
     }
   }
 }
 
 // Z and dS of the (query tile i0, key tile j0) pair of head (b, h), in the
-// score tile layout, given the rows' lse and delta (-inf / 0 past L).
+// score tile layout, given the rows' lse and delta (-inf / 0 past L). dS is
+// the scores' gradient before the softcap: with add_dmask it is added to the
+// mask's gradient here; what is returned has the softcap's derivative
+// 1 - tanh^2 applied (the gradient of the dot products Q K^T * scale).
 template <typename T, typename scalar_t>
 __device__ __forceinline__ void backward_tile(const AttnBwdParams& p, const Dropout<T>& drop, ProductSmem<T>& sm,
                                               int64_t b, int64_t h, int64_t i0, int64_t j0,
                                               const T (&row_lse)[GenericTiles<T>::kRows],
                                               const T (&row_delta)[GenericTiles<T>::kRows], T (&z)[GenericTiles<T>::kRows][4],
-                                              T (&ds)[GenericTiles<T>::kRows][4], int ty, int tx) {
+                                              T (&ds)[GenericTiles<T>::kRows][4], bool add_dmask, int ty, int tx) {
   using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   const int64_t hk = h / (p.Hq / p.Hkv);
-  T s[R][4], dp[R][4];
+  T s[R][4], dp[R][4], tanh_s[R][4];
   product_tile(s, sm, slice<scalar_t>(p.q, p.q_stride, b, h), i0, p.L - i0, slice<scalar_t>(p.k, p.k_stride, b, hk),
                j0, p.S - j0, p.E, ty, tx);
-  mask_scores<T, scalar_t>(s, p, b, h, i0, j0, ty, tx);
+  mask_scores<T, scalar_t>(s, tanh_s, p, b, h, i0, j0, ty, tx);
   if (p.dprobs != nullptr) {  // the gradient of the explicit probabilities is given
     const Mat<scalar_t> dz = slice<scalar_t>(p.dprobs, p.dprobs_stride, b, h);
 #pragma unroll
@@ -490,30 +592,39 @@ __device__ __forceinline__ void backward_tile(const AttnBwdParams& p, const Drop
     product_tile(dp, sm, slice<scalar_t>(p.dout, p.do_stride, b, h), i0, p.L - i0,
                  slice<scalar_t>(p.v, p.v_stride, b, hk), j0, p.S - j0, p.Ev, ty, tx);
   }
+  T* dmask = add_dmask ? static_cast<T*>(p.dmask) : nullptr;
+  const bool softcap = p.softcap > 0.0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     const int64_t i = i0 + ty + C::kTy * r;
     unsigned keep = 0xfu;
     if (drop.on && i < p.L && j0 + 4 * tx < p.S) keep = keep_bits(p, drop.seed, drop.threshold, b, h, i, j0 + 4 * tx);
+    T* dm = dmask != nullptr && i < p.L
+                ? dmask + b * p.dmask_stride[0] + h * p.dmask_stride[1] + i * p.dmask_stride[2]
+                : nullptr;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
+      const int64_t j = j0 + 4 * tx + c;
       // A row with lse = -inf saw no key: no probability, no gradient.
       const T prob = row_lse[r] == neg_inf<T>() ? T(0) : acc_exp(s[r][c] - row_lse[r]);
       const bool kept = (keep >> c) & 1u;
       z[r][c] = kept ? prob * drop.keep_scale : T(0);
       const T dprob = kept ? dp[r][c] * drop.keep_scale : T(0);
-      ds[r][c] = prob == T(0) ? T(0) : prob * (dprob - row_delta[r]);
+      T g = prob == T(0) ? T(0) : prob * (dprob - row_delta[r]);
+      if (dm != nullptr && j < p.S && g != T(0)) atomicAdd(dm + j * p.dmask_stride[3], g);
+      if (softcap) g *= T(1) - tanh_s[r][c] * tanh_s[r][c];
+      ds[r][c] = g;
     }
   }
 }
 
-// out[r * D + c] += alpha * sum_{k < KDIM} A(r, k) X(x_r0 + k, c) for the
-// ROWS rows of an owned, contiguous (rows_valid, D) slice of a workspace
-// accumulator, kChunkOut columns at a time. A is a shared-memory tile
+// out[r * ld + c] += alpha * sum_{k < KDIM} A(r, k) X(x_r0 + k, c) for the
+// ROWS rows of an owned (rows_valid, D) slice of a workspace accumulator (rows
+// ld apart), kChunkOut columns at a time. A is a shared-memory tile
 // (A(r, k) = a[r * a_r + k * a_k]); X rows come from global memory.
 template <int ROWS, int KDIM, typename T, typename scalar_t>
-__device__ __forceinline__ void accumulate_product(T* out, int64_t rows_valid, int64_t D, T alpha, const T* a,
-                                                   int a_r, int a_k, Mat<scalar_t> x, int64_t x_r0,
+__device__ __forceinline__ void accumulate_product(T* out, int64_t ld, int64_t rows_valid, int64_t D, T alpha,
+                                                   const T* a, int a_r, int a_k, Mat<scalar_t> x, int64_t x_r0,
                                                    int64_t x_rows_valid, T* xs) {
   using C = GenericTiles<T>;
   constexpr int NR = ROWS / C::kOutTy, NC = C::kChunkOut / C::kOutTx;
@@ -535,7 +646,7 @@ __device__ __forceinline__ void accumulate_product(T* out, int64_t rows_valid, i
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         const int64_t col = c0 + tx + C::kOutTx * c;
-        if (col < D) out[row * D + col] += alpha * acc[r][c];
+        if (col < D) out[row * ld + col] += alpha * acc[r][c];
       }
     }
   }
@@ -555,12 +666,11 @@ __device__ __forceinline__ void load_row_stats(const AttnBwdParams& p, const Bwd
                                                int64_t i0, int ty, T (&row_lse)[GenericTiles<T>::kRows],
                                                T (&row_delta)[GenericTiles<T>::kRows]) {
   using C = GenericTiles<T>;
-  const int64_t base = (b * p.Hq + h) * p.L;
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
     const int64_t i = i0 + ty + C::kTy * r;
-    row_lse[r] = i < p.L ? static_cast<const T*>(p.lse)[base + i] : neg_inf<T>();
-    row_delta[r] = i < p.L ? static_cast<const T*>(ws.delta)[base + i] : T(0);
+    row_lse[r] = i < p.L ? static_cast<const T*>(p.lse)[lse_index(p, b, h, i)] : neg_inf<T>();
+    row_delta[r] = i < p.L ? static_cast<const T*>(ws.delta)[lse_index(p, b, h, i)] : T(0);
   }
 }
 
@@ -575,99 +685,96 @@ __device__ __forceinline__ void store_score_tile(T (*dst)[GenericTiles<T>::kBloc
     for (int c = 0; c < 4; ++c) dst[ty + C::kTy * r][4 * tx + c] = t[r][c];
 }
 
-// (2) dK and dV: one block per (b, h, key tile), looping over the query tiles.
+// (2) dK and dV: one block per (b, h, key tile), looping over the query tiles
+// that see the keys (causal bound, window).
 template <typename scalar_t>
-__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
-    backward_dkdv_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, GenericTiles<acc_t<scalar_t>>::kMinBlocks)
+    backward_dkdv_kernel(const __grid_constant__ AttnBwdParams params, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
   using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   __shared__ BackwardSmem<T> sm;
 
   const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
-  const bool from_probs = p.dprobs != nullptr;
-  const Dropout<T> drop(p);
-  const T scale = static_cast<T>(p.scale);
-  const int64_t n_ktiles = ceil_div(p.S, C::kBlockN);
-  const int64_t n_tasks = p.B * p.Hq * n_ktiles;
+  const bool from_probs = params.dprobs != nullptr;
+  const Dropout<T> drop(params);
+  const T scale = static_cast<T>(params.scale);
+  const int64_t n_ktiles = ceil_div(params.S, C::kBlockN);  // the longest sequence's when packed
+  const int64_t n_tasks = params.B * params.Hq * n_ktiles;
+  const int64_t Hq = params.Hq;
 
   for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
     const int64_t kt = task % n_ktiles;
-    const int64_t h = (task / n_ktiles) % p.Hq;
-    const int64_t b = task / (n_ktiles * p.Hq);
+    const int64_t h = (task / n_ktiles) % Hq;
+    const int64_t b = task / (n_ktiles * Hq);
+    const AttnBwdParams p = view_of<scalar_t>(params, b);
     const int64_t j0 = kt * C::kBlockN;
-    // This block owns rows [j0, j0 + kBlockN) of dk_accum / dv_accum for query head h.
-    T* dk = static_cast<T*>(ws.dk_accum) + ((b * p.Hq + h) * p.S + j0) * p.E;
-    T* dv = from_probs ? nullptr : static_cast<T*>(ws.dv_accum) + ((b * p.Hq + h) * p.S + j0) * p.Ev;
+    if (j0 >= p.S) continue;  // a shorter sequence of a packed batch
+    // This block owns rows [j0, j0 + kBlockN) of dk_accum / dv_accum for query
+    // head h: (B, Hq, S, D) contiguous, or (total_k, Hq, D) when packed.
+    const int64_t key_row = p.cu_k != nullptr ? (p.cu_k[b] + j0) * Hq + h : (b * Hq + h) * p.S + j0;
+    const int64_t rows_apart = p.cu_k != nullptr ? Hq : 1;
+    T* dk = static_cast<T*>(ws.dk_accum) + key_row * p.E;
+    T* dv = from_probs ? nullptr : static_cast<T*>(ws.dv_accum) + key_row * p.Ev;
+    const KeyRange rows = visible_row_range(p, j0, std::min<int64_t>(j0 + C::kBlockN, p.S));
 
-    for (int64_t i0 = 0; i0 < p.L; i0 += C::kBlockM) {
-      if (causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1) <= j0) continue;  // no row sees these keys
+    for (int64_t i0 = rows.begin / C::kBlockM * C::kBlockM; i0 < rows.end; i0 += C::kBlockM) {
       T row_lse[R], row_delta[R], z[R][4], ds[R][4];
       load_row_stats(p, ws, b, h, i0, ty, row_lse, row_delta);
-      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, ty, tx);
+      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, false, ty, tx);
       __syncthreads();  // the previous query tile is done with sm.z / sm.ds
       store_score_tile(sm.z, z, ty, tx);
       store_score_tile(sm.ds, ds, ty, tx);
       // dV += Z^T dO ; dK += scale dS^T Q   (A(r = key, k = query) = tile[k][r])
       if (!from_probs)
-        accumulate_product<C::kBlockN, C::kBlockM>(dv, p.S - j0, p.Ev, T(1), &sm.z[0][0], 1, C::kBlockN + 1,
-                                                   slice<scalar_t>(p.dout, p.do_stride, b, h), i0, p.L - i0,
-                                                   &sm.x[0][0]);
-      accumulate_product<C::kBlockN, C::kBlockM>(dk, p.S - j0, p.E, scale, &sm.ds[0][0], 1, C::kBlockN + 1,
-                                                 slice<scalar_t>(p.q, p.q_stride, b, h), i0, p.L - i0,
-                                                 &sm.x[0][0]);
+        accumulate_product<C::kBlockN, C::kBlockM>(dv, rows_apart * p.Ev, p.S - j0, p.Ev, T(1), &sm.z[0][0], 1,
+                                                   C::kBlockN + 1, slice<scalar_t>(p.dout, p.do_stride, b, h), i0,
+                                                   p.L - i0, &sm.x[0][0]);
+      accumulate_product<C::kBlockN, C::kBlockM>(dk, rows_apart * p.E, p.S - j0, p.E, scale, &sm.ds[0][0], 1,
+                                                 C::kBlockN + 1, slice<scalar_t>(p.q, p.q_stride, b, h), i0,
+                                                 p.L - i0, &sm.x[0][0]);
     }
   }
 }
 
-// (3) dQ and the mask's gradient: one block per (b, h, query tile), looping over the key tiles.
+// (3) dQ and the mask's gradient: one block per (b, h, query tile), looping
+// over the key tiles its rows see.
 template <typename scalar_t>
-__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
-    backward_dq_kernel(const __grid_constant__ AttnBwdParams p, BwdWorkspace ws) {
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, GenericTiles<acc_t<scalar_t>>::kMinBlocks)
+    backward_dq_kernel(const __grid_constant__ AttnBwdParams params, BwdWorkspace ws) {
   using T = acc_t<scalar_t>;
   using C = GenericTiles<T>;
   constexpr int R = C::kRows;
   __shared__ BackwardSmem<T> sm;
 
   const int tx = threadIdx.x % C::kTx, ty = threadIdx.x / C::kTx;
-  const Dropout<T> drop(p);
-  const T scale = static_cast<T>(p.scale);
-  const int64_t group = p.Hq / p.Hkv;
-  const int64_t n_qtiles = ceil_div(p.L, C::kBlockM);
-  const int64_t n_tasks = p.B * p.Hq * n_qtiles;
-  T* dmask = static_cast<T*>(p.dmask);
+  const Dropout<T> drop(params);
+  const T scale = static_cast<T>(params.scale);
+  const int64_t group = params.Hq / params.Hkv;
+  const int64_t n_qtiles = ceil_div(params.L, C::kBlockM);
+  const int64_t n_tasks = params.B * params.Hq * n_qtiles;
 
   for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
     const int64_t qt = task % n_qtiles;
-    const int64_t h = (task / n_qtiles) % p.Hq;
-    const int64_t b = task / (n_qtiles * p.Hq);
+    const int64_t h = (task / n_qtiles) % params.Hq;
+    const int64_t b = task / (n_qtiles * params.Hq);
+    const AttnBwdParams p = view_of<scalar_t>(params, b);
     const int64_t i0 = qt * C::kBlockM;
-    const int64_t kv_end = causal_key_end(p, std::min<int64_t>(i0 + C::kBlockM, p.L) - 1);
-    // This block owns rows [i0, i0 + kBlockM) of dq_accum for head h.
-    T* dq = static_cast<T*>(ws.dq_accum) + ((b * p.Hq + h) * p.L + i0) * p.E;
+    if (i0 >= p.L) continue;
+    const KeyRange kv = tile_key_range<T>(p, i0);
+    // This block owns rows [i0, i0 + kBlockM) of dq_accum for head h, laid out as lse.
+    T* dq = static_cast<T*>(ws.dq_accum) + lse_index(p, b, h, i0) * p.E;
+    const int64_t dq_ld = p.lse_stride[2] * p.E;
     T row_lse[R], row_delta[R];
     load_row_stats(p, ws, b, h, i0, ty, row_lse, row_delta);
 
-    for (int64_t j0 = 0; j0 < kv_end; j0 += C::kBlockN) {
+    for (int64_t j0 = kv.begin; j0 < kv.end; j0 += C::kBlockN) {
       T z[R][4], ds[R][4];
-      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, ty, tx);
-      if (dmask != nullptr) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int64_t i = i0 + ty + C::kTy * r;
-          if (i >= p.L) continue;
-          T* dm = dmask + b * p.dmask_stride[0] + h * p.dmask_stride[1] + i * p.dmask_stride[2];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int64_t j = j0 + 4 * tx + c;
-            if (j < p.S && ds[r][c] != T(0)) atomicAdd(dm + j * p.dmask_stride[3], ds[r][c]);
-          }
-        }
-      }
+      backward_tile<T, scalar_t>(p, drop, sm.prod, b, h, i0, j0, row_lse, row_delta, z, ds, true, ty, tx);
       __syncthreads();  // the previous key tile is done with sm.ds
       store_score_tile(sm.ds, ds, ty, tx);
       // dQ += scale dS K   (A(r = query, k = key) = ds[r][k])
-      accumulate_product<C::kBlockM, C::kBlockN>(dq, p.L - i0, p.E, scale, &sm.ds[0][0], C::kBlockN + 1, 1,
+      accumulate_product<C::kBlockM, C::kBlockN>(dq, dq_ld, p.L - i0, p.E, scale, &sm.ds[0][0], C::kBlockN + 1, 1,
                                                  slice<scalar_t>(p.k, p.k_stride, b, h / group), j0, p.S - j0,
                                                  &sm.x[0][0]);
     }
@@ -700,7 +807,9 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
   using C = GenericTiles<acc_t<scalar_t>>;
   const int64_t n_rows = p.B * p.Hq * p.L;
   backward_delta_kernel<scalar_t><<<task_grid(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, ws);
-  if (p.S == 0) return;  // no key: every gradient is 0 (the workspace is zeroed)
+  if (p.sinks != nullptr && p.dsinks != nullptr)
+    backward_sinks_kernel<scalar_t><<<task_grid(p.B * p.Hq), C::kThreads, 0, stream>>>(p, ws);
+  if (p.S == 0) return;  // no key: every other gradient is 0 (the workspace is zeroed)
   backward_dkdv_kernel<scalar_t><<<task_grid(p.B * p.Hq * ceil_div(p.S, C::kBlockN)), C::kThreads, 0, stream>>>(p, ws);
   backward_dq_kernel<scalar_t><<<task_grid(p.B * p.Hq * ceil_div(p.L, C::kBlockM)), C::kThreads, 0, stream>>>(p, ws);
 }

@@ -527,9 +527,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 // The masked score of one element, in log2 units: x = (q_i . k_j) * scale *
 // log2(e), plus the additive mask m (times log2(e)); -inf where the bool mask
-// says no or the key is not `visible` (j >= causal_key_end(p, i), which also
-// covers j >= S, or i is a padding row of the tile). `m` points at the mask
-// element (i, j) and is read only for visible elements. kKind is a template
+// says no or the key is not `visible` (outside visible_key_range(p, i): the
+// causal bound, the window and the end of the keys; or i is a padding row of
+// the tile). `m` points at the mask element (i, j) and is read only for
+// visible elements. kKind is a template
 // parameter so that callers switch on the mask kind once per tile.
 template <MaskKind kKind, typename T>
 __device__ __forceinline__ float masked_score(const char* m, bool visible, float x) {
@@ -594,6 +595,40 @@ __device__ __forceinline__ int64_t first_row_seeing(const AttnParams& p, int64_t
   }
   return lo;
 }
+
+// The same rules with a sliding window, for the kernels instantiated with
+// kWindow (the others keep the code above, register for register: at 255
+// registers a thread, the window's extra bounds would spill there, and cost
+// the backward 4-7 % without a window on an H100). Row i sees the keys of
+// visible_key_range(p, i): of j0 .. j0 + n - 1, those j0 + c with
+// window_cols_begin(...) <= c < window_cols_end(...). The forward masks the
+// two ends in separate passes (one bound live at a time), the left one only
+// in tiles that cross a window's left edge.
+__device__ __forceinline__ int window_cols_end(const AttnParams& p, int64_t i, bool row_valid, int64_t j0, int n) {
+  const int64_t end = (row_valid ? visible_key_range(p, i).end : 0) - j0;
+  return static_cast<int>(end < 0 ? 0 : (end > n ? n : end));
+}
+__device__ __forceinline__ int window_cols_begin(const AttnParams& p, int64_t i, int64_t j0, int n) {
+  const int64_t begin = visible_key_range(p, i).begin - j0;
+  return static_cast<int>(begin < 0 ? 0 : (begin > n ? n : begin));
+}
+// The backward's pair of keys j and j + 8 for query row i: bit 0 set iff
+// the row sees key j, bit 1 iff it sees key j + 8.
+__device__ __forceinline__ int window_visible_pair(const AttnParams& p, int64_t i, bool row_valid, int64_t j) {
+  if (!row_valid) return 0;
+  const KeyRange keys = visible_key_range(p, i);
+  const bool first = keys.begin <= j && j < keys.end, second = keys.begin <= j + 8 && j + 8 < keys.end;
+  return static_cast<int>(first) | static_cast<int>(second) << 1;
+}
+// True when every query row of [i0, i_last] sees every key of [j0, j0 + n):
+// the tile needs no masking but an attn_mask's.
+__device__ __forceinline__ bool window_sees_whole_tile(const AttnParams& p, int64_t i0, int64_t i_last, int64_t j0,
+                                                       int n) {
+  return j0 + n <= visible_key_range(p, i0).end && j0 >= visible_key_range(p, i_last).begin;
+}
+
+// True when `p` has a sliding window (the kernels instantiated with kWindow run it).
+inline bool has_window(const AttnParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 
 // Grids put (batch, head) on y (and z past 65535).
 inline dim3 tile_grid(int64_t tiles, int64_t batch_heads) {

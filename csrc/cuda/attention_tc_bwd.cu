@@ -54,7 +54,7 @@ __global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttnBwdP
 // and, in n-block n of a query tile, queries i0 + 8 n + 2 t + e: element
 // S^T[n][2 hi + e]. dK and dV of the warp's keys stay in registers
 // (columns 8 d + 2 t + e of n-block d).
-template <typename T, int kHeadDim, bool kShort>
+template <typename T, int kHeadDim, bool kShort, bool kWindow>
 __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
     attention_bwd_tc_kernel(const AttnBwdParams p, const BwdWorkspace ws) {
   using Tr = BwdTraits<kHeadDim, kShort>;
@@ -78,9 +78,17 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
   const int64_t b = bh / p.Hq, h = bh % p.Hq, hk = h / (p.Hq / p.Hkv);
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kBlockN;
   const int n_keys = static_cast<int>(p.S - k0 < kBlockN ? p.S - k0 : kBlockN);
-  const int64_t n_qtiles = (p.L + kBlockM - 1) / kBlockM;
-  // Causal: query rows before first_row_seeing(k0) see none of our keys.
-  const int64_t first_qtile = p.causal ? first_row_seeing(p, k0) / kBlockM : 0;
+  // Query tiles [first_qtile, n_qtiles) hold the rows that see some of our keys (causal bound, window).
+  int64_t first_qtile, n_qtiles;
+  if constexpr (kWindow) {
+    const KeyRange rows_seeing = visible_row_range(p, k0, k0 + n_keys);
+    first_qtile = rows_seeing.begin / kBlockM;
+    n_qtiles = (rows_seeing.end + kBlockM - 1) / kBlockM;
+  } else {
+    n_qtiles = (p.L + kBlockM - 1) / kBlockM;
+    // Causal: query rows before first_row_seeing(k0) see none of our keys.
+    first_qtile = p.causal ? first_row_seeing(p, k0) / kBlockM : 0;
+  }
 
   // Row-major views of this (b, h) (row stride *_stride[2]; unit column stride but for dO):
   const T* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + k0 * p.k_stride[2];  // (n_keys, E)
@@ -206,8 +214,14 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
     // Whole tiles fold the scale into the exp2's FMA (factor); masked tiles
     // are scaled and masked first (factor = 1).
     const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-    const bool whole_tile = p.mask_kind == MaskKind::None && k0 + kBlockN <= p.S &&
-                            (!p.causal || k0 + kBlockN <= causal_key_end(p, i0));
+    bool whole_tile;
+    if constexpr (kWindow) {
+      whole_tile = p.mask_kind == MaskKind::None &&
+                   window_sees_whole_tile(p, i0, (i0 + kBlockM < p.L ? i0 + kBlockM : p.L) - 1, k0, kBlockN);
+    } else {
+      whole_tile = p.mask_kind == MaskKind::None && k0 + kBlockN <= p.S &&
+                   (!p.causal || k0 + kBlockN <= causal_key_end(p, i0));
+    }
     const float factor = whole_tile ? scale_log2 : 1.0f;
     if (!whole_tile) {
       // Column by column (query by query) in a rolled loop, to keep the mask
@@ -217,8 +231,14 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
         for (int cc = 0; cc < 2 * kQueryBlocks; ++cc) {
           const int col = (cc / 2) * 8 + 2 * t + cc % 2;
           const int64_t i = i0 + col;
-          // Key k0 + key_row + 8 hi is visible iff key_row + 8 hi < visible_end.
-          const int visible_end = visible_keys(p, i, i < p.L, k0, kBlockN);
+          // Key k0 + key_row + 8 hi is visible iff key_row + 8 hi < visible; with a window, iff
+          // bit hi of `visible` is set (one int live, not both ends of the window).
+          int visible;
+          if constexpr (kWindow) {
+            visible = window_visible_pair(p, i, i < p.L, k0 + key_row);
+          } else {
+            visible = visible_keys(p, i, i < p.L, k0, kBlockN);
+          }
           const char* m = mask_ptr(p, mask_elem_bytes, b, h, i, k0 + key_row);
           const int64_t m_step = opaque(p.mask_stride[3] * mask_elem_bytes);  // bytes from key j to j + 1
 #pragma unroll
@@ -229,8 +249,13 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
 #pragma unroll
               for (int hi = 0; hi < 2; ++hi) {
                 float& x = st[n][2 * hi + e];
-                x = masked_score<decltype(kind)::value, T>(m + 8 * hi * m_step, key_row + 8 * hi < visible_end,
-                                                           x * scale_log2);
+                bool key_visible;
+                if constexpr (kWindow) {
+                  key_visible = (visible >> hi) & 1;
+                } else {
+                  key_visible = key_row + 8 * hi < visible;
+                }
+                x = masked_score<decltype(kind)::value, T>(m + 8 * hi * m_step, key_visible, x * scale_log2);
               }
             }
         }
@@ -394,12 +419,12 @@ __global__ void __launch_bounds__(BwdTraits<kHeadDim, kShort>::kThreads, 1)
   }
 }
 
-template <typename T, int kHeadDim, bool kShort>
+template <typename T, int kHeadDim, bool kShort, bool kWindow>
 void launch_backward_tiles(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_t stream) {
   using Tr = BwdTraits<kHeadDim, kShort>;
   const int64_t n_blocks = (p.S + Tr::kBlockN - 1) / Tr::kBlockN;
-  launch_kernel<attention_bwd_tc_kernel<T, kHeadDim, kShort>>(tile_grid(n_blocks, p.B * p.Hq), dim3(Tr::kThreads),
-                                                              Tr::kSmemBytes, stream, p, ws);
+  launch_kernel<attention_bwd_tc_kernel<T, kHeadDim, kShort, kWindow>>(
+      tile_grid(n_blocks, p.B * p.Hq), dim3(Tr::kThreads), Tr::kSmemBytes, stream, p, ws);
 }
 
 template <typename T, int kHeadDim>
@@ -410,13 +435,25 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
   launch_kernel<attention_bwd_delta_kernel<T>>(dim3(static_cast<unsigned>((delta_threads + 255) / 256)), dim3(256), 0,
                                                stream, p, group, static_cast<float*>(ws.delta));
   if constexpr (kHasShortBackward<kHeadDim>) {
-    const int64_t rows_per_key = p.causal ? (p.L + 1) / 2 : p.L;  // on average
+    // Query rows per key, on average: half of them when causal, at most the window's width.
+    int64_t rows_per_key = p.causal ? (p.L + 1) / 2 : p.L;
+    if (p.window_left >= 0 && p.window_left + 1 + (p.causal ? 0 : p.window_right) < rows_per_key &&
+        (p.causal || p.window_right >= 0))
+      rows_per_key = p.window_left + 1 + (p.causal ? 0 : p.window_right);
     if (rows_per_key <= tile_sizes(kHeadDim).short_rows) {
-      launch_backward_tiles<T, kHeadDim, true>(p, ws, stream);
+      if (has_window(p)) {
+        launch_backward_tiles<T, kHeadDim, true, true>(p, ws, stream);
+      } else {
+        launch_backward_tiles<T, kHeadDim, true, false>(p, ws, stream);
+      }
       return;
     }
   }
-  launch_backward_tiles<T, kHeadDim, false>(p, ws, stream);
+  if (has_window(p)) {
+    launch_backward_tiles<T, kHeadDim, false, true>(p, ws, stream);
+  } else {
+    launch_backward_tiles<T, kHeadDim, false, false>(p, ws, stream);
+  }
 }
 
 }  // namespace

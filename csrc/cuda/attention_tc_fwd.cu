@@ -10,14 +10,15 @@ namespace attn_ext::cuda {
 namespace tc {
 namespace {
 
-// One CTA: query rows [i0, i0 + kBlockM) of one (batch, query head); the keys
-// [0, causal_key_end(last row)) in tiles of kBlockN.
+// One CTA: query rows [i0, i0 + kBlockM) of one (batch, query head); the key
+// tiles that hold the keys its rows see (visible_key_range: all of them, the
+// causal prefix, or a window's span), kBlockN keys each.
 //
 // Warp w, strip s (s < kStrips) owns the local rows s * 16 * kWarps + w * 16
 // + [0, 16); its thread (g, t) holds rows r = base + g and base + g + 8 ("hi" =
 // 0, 1) of that strip: score S[s][n][2 hi + e] is key j0 + 8 n + 2 t + e, and
 // O[s][d][2 hi + e] is output column 8 d + 2 t + e.
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kWindow>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     attention_fwd_tc_kernel(const AttnParams p) {
   using Tr = FwdTraits<kHeadDim>;
@@ -38,7 +39,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   const int64_t m_block = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int64_t i0 = m_block * kBlockM;
   const int m_rows = static_cast<int>(p.L - i0 < kBlockM ? p.L - i0 : kBlockM);
-  const int64_t kv_end = causal_key_end(p, i0 + m_rows - 1);  // keys any row of the tile sees
+  // Key tiles [first_tile, n_tiles) hold the keys some row of the tile sees (causal bound, window).
+  int64_t kv_begin = 0, kv_end;
+  if constexpr (kWindow) {
+    kv_begin = visible_key_range(p, i0).begin;
+    kv_end = visible_key_range(p, i0 + m_rows - 1).end;
+  } else {
+    kv_end = causal_key_end(p, i0 + m_rows - 1);
+  }
+  const int first_tile = static_cast<int>(kv_begin / kBlockN);
   const int n_tiles = static_cast<int>((kv_end + kBlockN - 1) / kBlockN);
 
   // Row-major views (row stride *_stride[2], unit column stride) of this (b, h):
@@ -59,7 +68,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     load_tile_async<KVTile, kThreads>(s_v + buf * KVTile::kBytes, v + j0 * p.v_stride[2], p.v_stride[2], rows, tid);
   };
   load_tile_async<QTile, kThreads>(s_q, q, p.q_stride[2], m_rows, tid);
-  if (n_tiles > 0) load_kv(0, 0);
+  if (first_tile < n_tiles) load_kv(first_tile, 0);
   cp_async_commit();
 
   // Local row of (strip s, half hi) for this thread.
@@ -83,8 +92,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   }
   uint32_t q_frag[Tr::kQInRegs ? kStrips : 1][Tr::kQInRegs ? kHeadSteps : 1][4];
 
-  for (int it = 0; it < n_tiles; ++it) {
-    const int buf = it & 1;
+  for (int it = first_tile; it < n_tiles; ++it) {
+    const int buf = (it - first_tile) & 1;
     const int64_t j0 = static_cast<int64_t>(it) * kBlockN;
     cp_async_wait_all();
     __syncthreads();  // tile `it` is in; every warp is done with tile it - 1, whose buffer we refill now
@@ -96,7 +105,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     const uint32_t s_vb = s_v + buf * KVTile::kBytes;
 
     if constexpr (Tr::kQInRegs) {
-      if (it == 0) {
+      if (it == first_tile) {
 #pragma unroll
         for (int s = 0; s < kStrips; ++s)
 #pragma unroll
@@ -134,8 +143,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     // into the exp2's FMA, and max(x) * factor is the max of the scaled
     // scores); otherwise they are scaled (and masked) here and factor = 1.
     const float scale_log2 = static_cast<float>(p.scale) * kLog2e;
-    const bool whole_tile = p.mask_kind == MaskKind::None && j0 + kBlockN <= p.S &&
-                            (!p.causal || j0 + kBlockN <= causal_key_end(p, i0));
+    bool whole_tile;
+    if constexpr (kWindow) {
+      whole_tile = p.mask_kind == MaskKind::None && window_sees_whole_tile(p, i0, i0 + m_rows - 1, j0, kBlockN);
+    } else {
+      whole_tile = p.mask_kind == MaskKind::None && j0 + kBlockN <= p.S &&
+                   (!p.causal || j0 + kBlockN <= causal_key_end(p, i0));
+    }
     const float factor = whole_tile && scale_log2 > 0.0f ? scale_log2 : 1.0f;
     if (whole_tile) {
       if (scale_log2 <= 0.0f) {
@@ -155,8 +169,13 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
         for (int rr = 0; rr < 2 * kStrips; ++rr) {
           const int row = local_row(rr / 2, rr % 2);
           const int64_t i = i0 + row;
-          // Key j0 + 8n + 2t + e is visible iff 8n + e < visible_end.
-          const int visible_end = visible_keys(p, i, row < m_rows, j0 + 2 * t, kBlockN);
+          // Key j0 + 8n + 2t + e is visible iff 8n + e < visible_end (and right of a window's left edge, below).
+          int visible_end;
+          if constexpr (kWindow) {
+            visible_end = window_cols_end(p, i, row < m_rows, j0 + 2 * t, kBlockN);
+          } else {
+            visible_end = visible_keys(p, i, row < m_rows, j0 + 2 * t, kBlockN);
+          }
           const char* m = mask_ptr(p, mask_elem_bytes, b, h, i, j0 + 2 * t);
           const int64_t m_step = opaque(p.mask_stride[3] * mask_elem_bytes);  // bytes from key j to j + 1
 #pragma unroll
@@ -175,6 +194,27 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
             }
         }
       });
+      // A window's left edge: keys j0 + 8n + 2t + e with 8n + e < begin are outside.
+      if constexpr (kWindow) {
+        if (p.window_left >= 0 && j0 < visible_key_range(p, i0 + m_rows - 1).begin) {
+#pragma unroll 1
+          for (int rr = 0; rr < 2 * kStrips; ++rr) {
+            const int row = local_row(rr / 2, rr % 2);
+            const int begin = window_cols_begin(p, i0 + row, j0 + 2 * t, kBlockN);
+#pragma unroll
+            for (int s = 0; s < kStrips; ++s)
+#pragma unroll
+              for (int hi = 0; hi < 2; ++hi) {
+                if (rr != 2 * s + hi) continue;
+#pragma unroll
+                for (int n = 0; n < kScoreBlocks; ++n)
+#pragma unroll
+                  for (int e = 0; e < 2; ++e)
+                    if (n * 8 + e < begin) sc[s][n][2 * hi + e] = -INFINITY;
+              }
+          }
+        }
+      }
     }
 
     // Online softmax: new running max, rescale O and the running sum,
@@ -320,8 +360,12 @@ template <typename T, int kHeadDim>
 void launch_forward(const AttnParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   const int64_t m_blocks = (p.L + Tr::kBlockM - 1) / Tr::kBlockM;
-  launch_kernel<attention_fwd_tc_kernel<T, kHeadDim>>(tile_grid(m_blocks, p.B * p.Hq), dim3(Tr::kThreads),
-                                                      Tr::kSmemBytes, stream, p);
+  const dim3 grid = tile_grid(m_blocks, p.B * p.Hq);
+  if (has_window(p)) {
+    launch_kernel<attention_fwd_tc_kernel<T, kHeadDim, true>>(grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, p);
+  } else {
+    launch_kernel<attention_fwd_tc_kernel<T, kHeadDim, false>>(grid, dim3(Tr::kThreads), Tr::kSmemBytes, stream, p);
+  }
 }
 
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
@@ -349,6 +393,9 @@ const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int 
     return "the tensor-core kernels take float16 and bfloat16 only";
   if (sm_major < 8) return say("the tensor-core kernels need compute capability 8.0 or newer, got %d.%d", sm_major, sm_minor);
   if (params.probs != nullptr) return "the explicit probabilities are computed by the generic kernels";
+  if (params.cu_q != nullptr) return "packed batches (varlen) run on the generic kernels";
+  if (params.softcap > 0.0 || params.alibi != nullptr || params.sinks != nullptr)
+    return "a softcap, ALiBi slopes or sinks run on the generic kernels (a window runs on both)";
   if (params.Ev != params.E)
     return say("value head dim %lld differs from query head dim %lld", static_cast<long long>(params.Ev),
                static_cast<long long>(params.E));

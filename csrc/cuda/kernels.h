@@ -18,6 +18,9 @@ namespace attn_ext::cuda {
 // and dv_accum: each of its CTAs owns some key rows and writes their dK, dV
 // once, so with dk_out/dv_out set it writes them straight into the results,
 // in the input dtype (no zeroing, no float32 round trip).
+// A packed batch's accumulators are laid out as its tensors: (total_q, Hq, E)
+// for dq, (total_k, Hq, E) and (total_k, Hq, Ev) for dk and dv, (total_q, Hq)
+// for delta.
 struct BwdWorkspace {
   void* dq_accum = nullptr;  // (B, Hq, L, E) contiguous
   void* dk_accum = nullptr;  // (B, Hq, S, E) contiguous, one slice per query head
@@ -31,13 +34,17 @@ struct BwdWorkspace {
 // atomically; dmask_per_thread is always false on CUDA.
 
 // The generic kernels: every dtype (float16/bfloat16 accumulate in float32),
-// any head dims, every feature: masks, causal, dropout, GQA, the explicit
-// probabilities (params.probs / params.dprobs set). Any strides.
+// any head dims, every feature: masks, causal, windows, softcap, ALiBi, sinks
+// (their gradient into params.dsinks), dropout, GQA, packed batches (params.cu_q
+// and cu_k then in device memory), the explicit probabilities (params.probs /
+// params.dprobs set). Any strides.
 void forward_generic(const AttnParams& params, cudaStream_t stream);
 void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream);
 
 // The tensor-core kernels (FlashAttention-2 style): float16/bfloat16 on
-// sm80+, E == Ev in the supported set, out/lse only (not the probabilities).
+// sm80+, E == Ev in the supported set, out/lse only (not the probabilities);
+// masks, causal, windows, dropout, GQA, but no softcap, ALiBi, sinks or
+// packed batch.
 // Returns nullptr when they can run `params` on a device of compute
 // capability (sm_major, sm_minor) that allows a block smem_per_block_optin
 // bytes of shared memory (cudaDeviceProp::sharedMemPerBlockOptin), else the

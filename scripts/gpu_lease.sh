@@ -66,7 +66,7 @@ for s in "${STEPS[@]}"; do
       fi
       ;;
     tests)
-      step tests "${TESTS_TIMEOUT:-200}" env PYTHONPATH="$PWD" "$PYTHON" -m pytest -q -n 8 -rs -k cuda -p no:cacheprovider tests
+      step tests "${TESTS_TIMEOUT:-200}" env PYTHONPATH="$PWD" "$PYTHON" -m pytest -q -n 8 -rfEs -k cuda -p no:cacheprovider tests
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
       ;;
     memcheck)

@@ -18,6 +18,28 @@ from .masks import sdpa_mask
 __all__ = ["scaled_dot_product_attention", "attention_probs", "varlen_attention"]
 
 _CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+_NO_VARIANTS = (None, None, None, None, None)
+# What torch.library's own autograd kernel enters for a call that needs no gradient.
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+
+
+def _run(op, tensors, *args):
+    """op(*args), skipping the Python autograd layer when nothing needs a gradient.
+
+    torch.library's autograd kernel (register_autograd) is Python: even when no
+    input requires grad it costs a few microseconds a call (it walks the
+    arguments, then redispatches below autograd), which is a third of a small
+    decoding call. Its own no-grad branch runs the op below autograd, so doing
+    that here, under the same condition, gives the same result without the
+    detour. Under torch.compile / export the op is called as it is, for the
+    tracer to see.
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return op(*args)
+    if torch.compiler.is_compiling():
+        return op(*args)
+    with _below_autograd():
+        return op(*args)
 
 
 def _lse_dtype(dtype):
@@ -235,6 +257,9 @@ class _Call:
 
     def __init__(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window=None, softcap=None, alibi_slopes=None, sinks=None):
+        if self._plain(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+                       window, softcap, alibi_slopes, sinks):
+            return
         named = [("query", query), ("key", key)] + ([("value", value)] if value is not None else [])
         for name, t in named:
             if not isinstance(t, torch.Tensor):
@@ -280,6 +305,36 @@ class _Call:
         self.dropout_seed = None
         if dropout_p > 0:
             self.dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+
+    def _plain(self, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
+               window, softcap, alibi_slopes, sinks):
+        """The common call in few steps (a decoding step's Python time is most of
+        its time): 4-D query, key and value of one batch size, heads that match
+        (or divide, with enable_gqa), no variant. Fills self and returns True;
+        False (nothing filled) sends every other call, and every error, through
+        the general path and its messages."""
+        if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)
+                and window is None and softcap is None and alibi_slopes is None and sinks is None
+                and query.dim() == 4 and key.dim() == 4 and value.dim() == 4
+                and (causal_alignment == "top_left" or causal_alignment == "bottom_right")):
+            return False
+        B, Hq, L, E = query.shape
+        Bk, Hkv, S, _ = key.shape
+        if not (Bk == B and value.shape[0] == B and (Hq == Hkv or (enable_gqa and Hkv > 0 and Hq % Hkv == 0))):
+            return False
+        self.has_head_dim = True
+        self.query_shape = query.shape
+        self.q, self.k, self.v = query, key, value
+        self.mask = None if attn_mask is None else sdpa_mask(attn_mask, (B,), Hq, L, S, True)
+        self.scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+        self.causal_offset = S - L if causal_alignment == "bottom_right" else 0
+        self.dropout_p = float(dropout_p)
+        self.is_causal = bool(is_causal)
+        self.variants = _NO_VARIANTS
+        self.dropout_seed = None
+        if dropout_p > 0:
+            self.dropout_seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
+        return True
 
     def op_args(self):
         """attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed and the
@@ -366,7 +421,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    out, lse = torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())
+    out, lse = _run(torch.ops.attn_ext.attention_forward, (call.q, call.k, call.v, call.mask, sinks),
+                    call.q, call.k, call.v, *call.op_args())
     out, lse = call.unflatten(out), call.unflatten(lse)
     return (out, lse) if return_lse else out
 
@@ -402,7 +458,8 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
     """
     call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
+    probs, _ = _run(torch.ops.attn_ext.attention_probs, (call.q, call.k, call.mask, sinks), call.q, call.k,
+                    *call.op_args())
     return call.unflatten(probs)
 
 
@@ -419,8 +476,9 @@ def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     """
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    out, _ = torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())
-    probs, _ = torch.ops.attn_ext.attention_probs(call.q, call.k, *call.op_args())
+    tensors = (call.q, call.k, call.v, call.mask, sinks)
+    out, _ = _run(torch.ops.attn_ext.attention_forward, tensors, call.q, call.k, call.v, *call.op_args())
+    probs, _ = _run(torch.ops.attn_ext.attention_probs, tensors, call.q, call.k, *call.op_args())
     return call.unflatten(out), call.unflatten(probs)
 
 

@@ -305,6 +305,57 @@ def test_tensor_core_window_forward_and_grads_match_reference(device, case, dtyp
     check_backward(q, k, v, mask, kw, seed=11, lse_weight=True)
 
 
+# Split-KV: one head and a few query rows against thousands of keys leave threads
+# idle, so the CPU forward splits each task's keys among them and merges the
+# partial results through the log-sum-exp (4 threads here: 2-3 splits of up to
+# 512-key tiles). The same cases run on CUDA, which does not split.
+SPLIT_KV_CASES = {
+    "decode": dict(B=1, Hq=1, L=1, S=3000, E=64, Ev=64),
+    "causal_bottom_right_rows": dict(B=1, Hq=1, L=3, S=3000, E=64, Ev=64, is_causal=True,
+                                     causal_alignment="bottom_right"),
+    "window_bottom_right": dict(B=1, Hq=1, L=5, S=3100, E=32, Ev=48, window=(900, None), is_causal=True,
+                                causal_alignment="bottom_right"),
+    "sinks_gqa": dict(B=1, Hq=2, Hkv=1, L=1, S=2900, E=64, Ev=64, sinks=torch.float32),
+    "dead_row_bool_mask": dict(B=1, Hq=1, L=4, S=3000, E=64, Ev=64, mask="bool_dead_row"),  # row 3 sees nothing
+    "softcap_alibi": dict(B=1, Hq=1, L=1, S=3000, E=64, Ev=64, softcap=20.0, alibi="H"),
+}
+
+
+@pytest.fixture
+def four_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", list(SPLIT_KV_CASES))
+def test_split_kv_forward_and_grads_match_reference(device, case, dtype, four_threads):
+    cfg = SPLIT_KV_CASES[case]
+    q, k, v, mask, kw = _case(case, dtype, device, seed=13, requires_grad=True, cfg=cfg)
+    check_forward(q, k, v, mask, kw)
+    check_backward(q, k, v, mask, kw, seed=13, lse_weight=True)
+
+
+def test_split_kv_keeps_dropout_and_nan(device, four_threads):
+    """The dropout of a split call is the unsplit call's (one thread: no split), and a
+    NaN in a row's scores reaches its output and lse through the merge."""
+    cfg = dict(B=1, Hq=1, L=2, S=3000, E=64, Ev=64)
+    q, k, v, _, kw = _case("decode", torch.float32, device, seed=17, cfg=cfg)
+    torch.manual_seed(5)
+    split = sdpa(q, k, v, None, dropout_p=0.3, **kw)
+    torch.set_num_threads(1)
+    torch.manual_seed(5)
+    whole = sdpa(q, k, v, None, dropout_p=0.3, **kw)
+    torch.set_num_threads(4)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    k = k.clone()
+    k[0, 0, 2500, 0] = float("nan")  # one key: every row's scores get a NaN
+    out, lse = sdpa(q, k, v, None, return_lse=True, **kw)
+    assert torch.isnan(out).all() and torch.isnan(lse).all()
+
+
 def test_keys_outside_every_window_get_zero_grad(device):
     # L = S = 300, window (10, 0) top_left: key j is seen by rows j..j+10 only; with
     # queries 0..149 only, keys 150.. are outside every window: dK = dV = 0 exactly.

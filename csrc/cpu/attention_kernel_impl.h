@@ -735,6 +735,18 @@ inline int64_t windowed_kv_block(const AttnParams& p, int64_t kv, int64_t q) {
   return std::min(block, kv);
 }
 
+// Split-KV (flash-decoding): when the (batch, head, query block) tasks cannot
+// keep every thread busy (decoding: one query row per head, few heads), each
+// task's key tiles are split among `splits` threads; each split leaves its
+// rows' running max, sum and output sum, and a second pass merges them through
+// the log-sum-exp. Dense batches only (a packed batch has its sequences to
+// share out); each split gets at least two key tiles. 1 = no split.
+inline int64_t kv_splits(const AttnParams& p, int64_t tasks, int64_t kv_block) {
+  const int64_t threads = at::get_num_threads();
+  if (p.cu_q != nullptr || p.probs != nullptr || tasks >= threads) return 1;
+  return std::max<int64_t>(1, std::min(ceil_div(threads, tasks), ceil_div(p.S, kv_block) / 2));
+}
+
 // The sink's logit for head h, or nullptr.
 template <typename T>
 inline const T* sink_of(const AttnParams& p, int64_t h) {
@@ -768,8 +780,42 @@ void forward_driver(const AttnParams& p) {
                                                panel * panel);
   const Dropout<T> drop(p);
   const bool write_probs = p.probs != nullptr;
+  const int64_t n_tasks = B * Hq * n_qblocks;
+  const int64_t splits = kv_splits(p, n_tasks, kv_block);
+  // Split-KV partial results of item (task, split): rows' max, sum, output sum (Ev apart).
+  Buffer<T> part_m(splits > 1 ? n_tasks * splits * q_block : 0);
+  Buffer<T> part_l(part_m.size());
+  Buffer<T> part_o(part_m.size() * Ev);
 
-  at::parallel_for(0, B * Hq * n_qblocks, 1, [&](int64_t begin, int64_t end) {
+  // The rows [i0, i0 + m) of (b, h) from their running max and sum and their
+  // output sum (relative to the max; rows ldo apart): the log-sum-exp, the
+  // sink's logit joining the sum, and the output. l == 0 only when the row saw
+  // no key (and there is no sink): output 0, log-sum-exp -inf. A NaN score makes
+  // l NaN: output and log-sum-exp NaN, as in PyTorch.
+  auto finish_rows = [&](const AttnParams& ps, int64_t b, int64_t h, int64_t i0, int64_t m, const T* row_m,
+                         const T* row_l, const T* ot, int64_t ldo) {
+    auto* lse = static_cast<T*>(ps.lse);
+    const T* sink = sink_of<T>(ps, h);
+    T o_mul[kMaxQTile];  // turns the row's output sum into the output
+    for (int64_t r = 0; r < m; ++r) {
+      T mx = row_m[r], l = row_l[r];
+      if (sink != nullptr && !std::isnan(l)) {
+        const T m_new = std::max(mx, *sink);
+        if (m_new != kNegInf) {
+          l = (l > T(0) ? l * std::exp(mx - m_new) : T(0)) + std::exp(*sink - m_new);
+          mx = m_new;
+        }
+      }
+      lse[lse_index(ps, b, h, i0 + r)] = l > T(0) ? mx + std::log(l) : (std::isnan(l) ? l : kNegInf);
+      o_mul[r] = row_l[r] > T(0) ? drop.keep_scale * std::exp(row_m[r] - mx) / l : (std::isnan(l) ? l : T(0));
+    }
+    if (write_probs) return;
+    scalar_t* o_bh = static_cast<scalar_t*>(ps.out) + b * ps.o_stride[0] + h * ps.o_stride[1];
+    for (int64_t r = 0; r < m; ++r)
+      store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot + r * ldo, Ev, o_mul[r]);
+  };
+
+  at::parallel_for(0, n_tasks * splits, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
@@ -781,7 +827,8 @@ void forward_driver(const AttnParams& p) {
 
     // Head-major: a thread's share is whole heads of every sequence, so packed
     // sequences of different lengths split evenly between threads.
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t task = item / splits, split = item % splits;
       const int64_t qb = task % n_qblocks;
       const int64_t b = (task / n_qblocks) % B;
       const int64_t h = task / (n_qblocks * B);
@@ -794,14 +841,18 @@ void forward_driver(const AttnParams& p) {
       // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached panels).
       const int64_t kv_begin = visible_key_range(ps, i0).begin / panel * panel;
       const int64_t kv_end = visible_key_range(ps, i0 + m - 1).end;
+      // This split's key tiles: [j_first, j_stop) (all of them without a split).
+      const int64_t n_tiles = kv_end > kv_begin ? ceil_div(kv_end - kv_begin, kv_block) : 0;
+      const int64_t j_first = kv_begin + n_tiles * split / splits * kv_block;
+      const int64_t j_stop = std::min(kv_end, kv_begin + n_tiles * (split + 1) / splits * kv_block);
 
       products.load_q(b, h, i0, m);
       std::fill(ot.begin(), ot.end(), T(0));
       std::fill(row_m, row_m + m, kNegInf);
       std::fill(row_l, row_l + m, T(0));
 
-      for (int64_t j0 = kv_begin; j0 < kv_end; j0 += kv_block) {
-        const int64_t n = std::min(kv_block, kv_end - j0);
+      for (int64_t j0 = j_first; j0 < j_stop; j0 += kv_block) {
+        const int64_t n = std::min(kv_block, j_stop - j0);
         const int64_t np = round_up(n, kCols);
         products.scores(st.data(), np, b, hk, j0, n);
         for (int64_t r = 0; r < m; ++r) {
@@ -832,32 +883,17 @@ void forward_driver(const AttnParams& p) {
         if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n);
       }
 
-      // The row's log-sum-exp, the sink's logit joining the sum. l == 0 only when
-      // the row saw no key (and there is no sink): output 0, log-sum-exp -inf. A
-      // NaN score makes l NaN: output and log-sum-exp NaN, as in PyTorch.
-      // o_mul[r] turns the row's output sum (relative to row_m) into the output.
-      auto* lse = static_cast<T*>(ps.lse);
-      const T* sink = sink_of<T>(ps, h);
-      T o_mul[kMaxQTile];
-      for (int64_t r = 0; r < m; ++r) {
-        T mx = row_m[r], l = row_l[r];
-        if (sink != nullptr && !std::isnan(l)) {
-          const T m_new = std::max(mx, *sink);
-          if (m_new != kNegInf) {
-            l = (l > T(0) ? l * std::exp(mx - m_new) : T(0)) + std::exp(*sink - m_new);
-            mx = m_new;
-          }
-        }
-        lse[lse_index(ps, b, h, i0 + r)] = l > T(0) ? mx + std::log(l) : (std::isnan(l) ? l : kNegInf);
-        o_mul[r] = row_l[r] > T(0) ? drop.keep_scale * std::exp(row_m[r] - mx) / l
-                                   : (std::isnan(l) ? l : T(0));
-      }
-      if (!write_probs) {
-        scalar_t* o_bh = static_cast<scalar_t*>(ps.out) + b * ps.o_stride[0] + h * ps.o_stride[1];
+      if (splits > 1) {  // leave the partial results for the merge below
+        const int64_t at = item * q_block;
+        std::copy(row_m, row_m + m, part_m.data() + at);
+        std::copy(row_l, row_l + m, part_l.data() + at);
         for (int64_t r = 0; r < m; ++r)
-          store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot.data() + r * ldo, Ev, o_mul[r]);
+          std::copy(ot.data() + r * ldo, ot.data() + r * ldo + Ev, part_o.data() + (at + r) * Ev);
         continue;
       }
+      finish_rows(ps, b, h, i0, m, row_m, row_l, ot.data(), ldo);
+      if (!write_probs) continue;
+      const auto* lse = static_cast<const T*>(ps.lse);
 
       // Second pass of attention_probs: P = exp(S - lse), dropped, written out; 0 outside [kv_begin, kv_end).
       scalar_t* p_bh = static_cast<scalar_t*>(ps.probs) + b * ps.probs_stride[0] + h * ps.probs_stride[1];
@@ -880,6 +916,46 @@ void forward_driver(const AttnParams& p) {
           store_row(p_bh + i * ps.probs_stride[2] + j0 * ps.probs_stride[3], ps.probs_stride[3], s, n, T(1));
         }
       }
+    }
+  });
+  if (splits == 1) return;
+
+  // Split-KV merge: each row's splits weighted by exp(m_s - max), a NaN in any split kept.
+  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    Buffer<T> ot(q_block * Ev);
+    T row_m[kMaxQTile];
+    T row_l[kMaxQTile];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % n_qblocks;
+      const int64_t b = (task / n_qblocks) % B;
+      const int64_t h = task / (n_qblocks * B);
+      const int64_t i0 = qb * q_block;
+      if (i0 >= p.L) continue;
+      const int64_t m = std::min(q_block, p.L - i0);
+      std::fill(ot.begin(), ot.end(), T(0));
+      for (int64_t r = 0; r < m; ++r) {
+        T mx = kNegInf;
+        bool nan = false;
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t at = (task * splits + sp) * q_block + r;
+          mx = std::max(mx, part_m[at]);
+          nan = nan || std::isnan(part_l[at]);
+        }
+        T l = T(0);
+        if (mx != kNegInf) {
+          for (int64_t sp = 0; sp < splits; ++sp) {
+            const int64_t at = (task * splits + sp) * q_block + r;
+            if (part_m[at] == kNegInf) continue;  // no visible key in this split
+            const T w = std::exp(part_m[at] - mx);
+            l += part_l[at] * w;
+            const T* o = part_o.data() + at * Ev;
+            for (int64_t e = 0; e < Ev; ++e) ot[r * Ev + e] += w * o[e];
+          }
+        }
+        row_m[r] = mx;
+        row_l[r] = nan ? std::numeric_limits<T>::quiet_NaN() : l;
+      }
+      finish_rows(p, b, h, i0, m, row_m, row_l, ot.data(), Ev);
     }
   });
 }

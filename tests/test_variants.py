@@ -318,6 +318,9 @@ SPLIT_KV_CASES = {
     "sinks_gqa": dict(B=1, Hq=2, Hkv=1, L=1, S=2900, E=64, Ev=64, sinks=torch.float32),
     "dead_row_bool_mask": dict(B=1, Hq=1, L=4, S=3000, E=64, Ev=64, mask="bool_dead_row"),  # row 3 sees nothing
     "softcap_alibi": dict(B=1, Hq=1, L=1, S=3000, E=64, Ev=64, softcap=20.0, alibi="H"),
+    # 40 rows: bfloat16 takes the AMX products (16+ rows) on the amx variant
+    "chunk_of_rows_causal": dict(B=1, Hq=1, L=40, S=3000, E=64, Ev=64, is_causal=True,
+                                 causal_alignment="bottom_right"),
 }
 
 

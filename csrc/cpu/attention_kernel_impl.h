@@ -747,6 +747,9 @@ inline int64_t kv_splits(const AttnParams& p, int64_t tasks, int64_t kv_block) {
   return std::max<int64_t>(1, std::min(ceil_div(threads, tasks), ceil_div(p.S, kv_block) / 2));
 }
 
+// Below this many multiply-adds (B Hq L S (E + Ev)) the forward runs on one thread.
+constexpr int64_t kInlineMacs = int64_t(1) << 17;
+
 // The sink's logit for head h, or nullptr.
 template <typename T>
 inline const T* sink_of(const AttnParams& p, int64_t h) {
@@ -815,7 +818,11 @@ void forward_driver(const AttnParams& p) {
       store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot + r * ldo, Ev, o_mul[r]);
   };
 
-  at::parallel_for(0, n_tasks * splits, 1, [&](int64_t begin, int64_t end) {
+  // A call of a few tens of thousands of multiply-adds (a small decoding step)
+  // runs on the calling thread: waking the pool would cost more than the work.
+  const int64_t macs = B * Hq * p.L * std::max<int64_t>(p.S, 1) * (p.E + p.Ev);
+  const int64_t grain = macs < kInlineMacs ? n_tasks * splits : 1;
+  at::parallel_for(0, n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();

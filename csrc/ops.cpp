@@ -60,9 +60,8 @@ void copy_strides(int64_t (&dst)[4], const at::Tensor& t) {
 namespace {
 bool packed(const AttnParams& p) { return p.cu_q != nullptr; }
 int64_t total_q(const AttnParams& p) { return p.cu_q[p.B]; }
+}  // namespace
 
-// The shape of a per-row tensor of `p` with `cols` columns: (B, Hq, L, cols), or
-// (total_q, Hq, cols) packed; cols < 0 for the log-sum-exp's (B, Hq, L) / (total_q, Hq).
 std::vector<int64_t> rows_shape(const AttnParams& p, int64_t cols) {
   std::vector<int64_t> shape = packed(p) ? std::vector<int64_t>{total_q(p), p.Hq}  //
                                          : std::vector<int64_t>{p.B, p.Hq, p.L};
@@ -70,6 +69,7 @@ std::vector<int64_t> rows_shape(const AttnParams& p, int64_t cols) {
   return shape;
 }
 
+namespace {
 void set_lse_strides(AttnParams& p) {
   const int64_t dense[3] = {p.Hq * p.L, p.L, 1}, packed_rows[3] = {0, 1, p.Hq};
   std::copy(packed(p) ? packed_rows : dense, (packed(p) ? packed_rows : dense) + 3, p.lse_stride);

@@ -3,8 +3,9 @@
 #pragma once
 
 #include <optional>
-#include <tuple>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -88,6 +89,11 @@ void check_dropout_seed(double dropout_p, const std::optional<at::Tensor>& dropo
 
 // The attn_mask viewed as (B, Hq, L, S) without copying (stride 0 on broadcast dims).
 at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
+
+// The shape of a per-query-row tensor of `p` with `cols` columns: (B, Hq, L, cols),
+// or (total_q, Hq, cols) for a packed batch (read from p.cu_q on the host);
+// cols < 0 for the log-sum-exp's (B, Hq, L) / (total_q, Hq).
+std::vector<int64_t> rows_shape(const AttnParams& p, int64_t cols);
 
 // Host helpers shared by the CPU and CUDA operator implementations.
 void copy_strides(int64_t (&dst)[4], const at::Tensor& t);  // t is 4-D

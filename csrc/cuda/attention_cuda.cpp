@@ -106,18 +106,12 @@ at::Tensor grad_mask_of(const BwdBuffers& buf, const at::Tensor& attn_mask) {
   return g.view(attn_mask.sizes()).to(attn_mask.scalar_type());
 }
 
-// The rows of the per-query-head accumulators: (B, Hq, L) and (B, Hq, S), or
-// (total_q, Hq) and (total_k, Hq) for a packed batch (read on the host, before
-// the kernels get the device copies of cu_seqlens).
-std::vector<int64_t> query_rows(const AttnParams& p) {
-  return p.cu_q != nullptr ? std::vector<int64_t>{p.cu_q[p.B], p.Hq} : std::vector<int64_t>{p.B, p.Hq, p.L};
-}
-std::vector<int64_t> key_rows(const AttnParams& p) {
-  return p.cu_k != nullptr ? std::vector<int64_t>{p.cu_k[p.B], p.Hq} : std::vector<int64_t>{p.B, p.Hq, p.S};
-}
-std::vector<int64_t> with_cols(std::vector<int64_t> rows, int64_t cols) {
-  rows.push_back(cols);
-  return rows;
+// The shape of a per-query-head accumulator over the keys, with `cols` columns:
+// (B, Hq, S, cols), or (total_k, Hq, cols) for a packed batch (cu_k read on the
+// host, before the kernels get the device copies). rows_shape() is the queries'.
+std::vector<int64_t> key_rows_shape(const AttnParams& p, int64_t cols) {
+  return p.cu_k != nullptr ? std::vector<int64_t>{p.cu_k[p.B], p.Hq, cols}
+                           : std::vector<int64_t>{p.B, p.Hq, p.S, cols};
 }
 
 // Common part of both backwards: lse/dlse, seed, workspace, mask gradient.
@@ -143,8 +137,8 @@ BwdBuffers allocate_backward(AttnBwdParams& p, const at::Tensor& query, const at
     TORCH_CHECK(attn_mask.has_value(), "attn_ext: compute_grad_mask needs a float attn_mask, got none");
     make_mask_buffer(p, buf, *attn_mask, acc);
   }
-  buf.dq = at::zeros(with_cols(query_rows(p), p.E), opts);
-  buf.delta = at::zeros(query_rows(p), opts);
+  buf.dq = at::zeros(rows_shape(p, p.E), opts);
+  buf.delta = at::zeros(rows_shape(p, -1), opts);
   buf.ws.dq_accum = buf.dq.data_ptr();
   buf.ws.delta = buf.delta.data_ptr();
   buf.kv_direct = kv_direct && with_value && p.Hq == p.Hkv;
@@ -156,10 +150,10 @@ BwdBuffers allocate_backward(AttnBwdParams& p, const at::Tensor& query, const at
     return buf;
   }
   // dk/dv get one slice per query head; the host sums each GQA group afterwards.
-  buf.dk = at::zeros(with_cols(key_rows(p), p.E), opts);
+  buf.dk = at::zeros(key_rows_shape(p, p.E), opts);
   buf.ws.dk_accum = buf.dk.data_ptr();
   if (with_value) {
-    buf.dv = at::zeros(with_cols(key_rows(p), p.Ev), opts);
+    buf.dv = at::zeros(key_rows_shape(p, p.Ev), opts);
     buf.ws.dv_accum = buf.dv.data_ptr();
   }
   return buf;

@@ -404,16 +404,27 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, Gener
         for (int c = 0; c < 4; ++c) sm.p[ty + C::kTy * r][4 * tx + c] = (keep >> c) & 1u ? s[r][c] : T(0);
       }
 
-      // O += P V, kChunkD keys at a time.
+      // O += P V, kChunkD keys at a time. The tile's product is summed apart
+      // and then added to O: one rounding of O per key tile, not one per key
+      // (summing thousands of keys into O one by one loses ~sqrt(S) ulps).
       const Mat<scalar_t> v = slice<scalar_t>(p.v, p.v_stride, b, hk);
+      T pv[R][NC];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) pv[r][c] = T(0);
       for (int kk = 0; kk < C::kBlockN; kk += C::kChunkD) {
         __syncthreads();
         load_tile<C::kChunkD, C::kChunkOut, C::kThreads>(&sm.v[0][0], C::kChunkOut, v, j0 + kk, c0,
                                                          p.S - j0 - kk, p.Ev - c0);
         __syncthreads();
-        smem_gemm<C::kTy, C::kTx, false, C::kChunkD>(o, &sm.p[0][kk], C::kBlockN + 1, 1, &sm.v[0][0],
+        smem_gemm<C::kTy, C::kTx, false, C::kChunkD>(pv, &sm.p[0][kk], C::kBlockN + 1, 1, &sm.v[0][0],
                                                      C::kChunkOut, 1, ty, tx);
       }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) o[r][c] += pv[r][c];
     }
 
     // The row's lse (natural log), the sink's logit joining the sum. l == 0

@@ -405,6 +405,20 @@ def test_alibi_slopes_get_no_gradient(device):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_steep_alibi_matches_reference_and_leaves_subnormals_to_the_caller(device, dtype):
+    """Slopes of 1/2 and 1/4 over 600 keys take far keys' probabilities below float's
+    normal range, which the CPU kernels flush to zero while they run: output, lse and
+    gradients still match the reference, and afterwards the caller's threads compute
+    subnormal results again (the floating-point mode is restored)."""
+    q, k, v = make_qkv(1, 2, 2, 600, 600, 32, 32, dtype, device, seed=21, requires_grad=True)
+    kw = dict(is_causal=True, alibi_slopes=torch.tensor([0.5, 0.25], device=device))
+    check_forward(q, k, v, None, kw)
+    check_backward(q, k, v, None, kw, seed=21, lse_weight=True)
+    tiny = torch.full((1 << 20,), 1e-30, dtype=torch.float32) * 1e-10  # 1e-40: subnormal, on every thread
+    assert (tiny > 0).all() and (tiny < torch.finfo(torch.float32).tiny).all()
+
+
 def test_variants_left_none_equal_the_plain_call(device):
     q, k, v = make_qkv(2, 2, 2, 17, 23, 16, 16, torch.float32, device, seed=12)
     a = sdpa(q, k, v, is_causal=True, window=None, softcap=None, alibi_slopes=None, sinks=None)

@@ -31,6 +31,9 @@
 #include <vector>
 
 #include <unistd.h>  // sysconf: the L2 size
+#if defined(__x86_64__) || defined(_M_X64)
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: FlushSubnormals
+#endif
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -302,39 +305,67 @@ inline Vectorized<float> fast_max<float>(const Vectorized<float>& x, const Vecto
 #undef ATTN_EXT_PS
 #endif
 
-// tanh for the softcap, with FastExp: below |y| = 0.55 tanh's odd Taylor series
-// through y^17 (truncation < 2e-8 relative), above it (e - 1) / (e + 1) with
-// e = exp(2|y|) and the sign restored (|y| clamped at 9, where tanh is 1 in
-// float). On AVX-512 a vector whose |y| are all below 0.55 (the usual case: a
-// softcap well above the scores) skips the exponential and the division, which
-// cost as much as the rest of the forward (Xeon, 4x8x1024x64 causal float32:
-// softcap 0.52x -> 0.91x the plain kernel). NaN stays NaN. Where FastExp is
-// at::vec's exp (DEFAULT, float64), at::vec's tanh.
+// cap * tanh(y) for the softcap, with FastExp: below |y| = 0.55 an odd
+// polynomial of degree 11 fitted to tanh there, its coefficients times cap
+// (fit error 3e-9 relative; at most 1.2 ulp in float, like the Taylor series
+// through y^17 it replaced, with three FMAs fewer), above it
+// cap (e - 1) / (e + 1) with e = exp(2|y|) and the sign restored (|y| clamped
+// at 9, where tanh is 1 in float). On AVX-512 a vector whose |y| are all below
+// 0.55 (the usual case: a softcap well above the scores) skips the
+// exponential and the division, which cost as much as the rest of the forward
+// (Xeon, 4x8x1024x64 causal float32: softcap 0.52x -> 0.91x the plain
+// kernel). NaN stays NaN. Where FastExp is at::vec's exp (DEFAULT, float64),
+// at::vec's tanh.
 template <typename T>
-inline Vectorized<T> fast_tanh(const Vectorized<T>& y) {
+inline Vectorized<T> fast_tanh(const Vectorized<T>& y, T cap = T(1)) {
   using Vec = Vectorized<T>;
   if constexpr (!FastExp<T>::base2) {
-    return y.tanh();
+    return y.tanh() * Vec(cap);
   } else {
     const Vec y2 = y * y;
-    constexpr double kTaylor[] = {6404582.0 / 10854718875.0, -929569.0 / 638512875.0, 21844.0 / 6081075.0,
-                                  -1382.0 / 155925.0,        62.0 / 2835.0,          -17.0 / 315.0,
-                                  2.0 / 15.0,                -1.0 / 3.0,             1.0};
-    Vec poly(static_cast<T>(kTaylor[0]));
-    for (int c = 1; c < 9; ++c) poly = at::vec::fmadd(poly, y2, Vec(static_cast<T>(kTaylor[c])));
+    // cap tanh(y) / y in powers of y^2, highest first (tanh: a Chebyshev fit on y^2 in [0, 0.3025])
+    constexpr double kFit[] = {-6.332234959e-03, 2.110725775e-02,  -5.385908087e-02,
+                               1.333262065e-01,  -3.333331634e-01, 9.999999993e-01};
+    Vec poly(static_cast<T>(kFit[0] * cap));
+    for (int c = 1; c < 6; ++c) poly = at::vec::fmadd(poly, y2, Vec(static_cast<T>(kFit[c] * cap)));
     const Vec small = y * poly;
-    const Vec a = y.abs();
 #if defined(CPU_CAPABILITY_AVX512)
     // the usual softcap: every |score| below 0.55 softcap, no exponential, no division
-    const __mmask16 large = _mm512_cmp_ps_mask(SimdF(a), _mm512_set1_ps(0.55f), _CMP_NLT_UQ);
+    const __mmask16 large = _mm512_cmp_ps_mask(SimdF(y2), _mm512_set1_ps(0.55f * 0.55f), _CMP_NLT_UQ);
     if (large == 0) return small;
 #endif
+    const Vec a = y.abs();
     const Vec e = FastExp<T>::apply(at::vec::minimum(a, Vec(T(9))) * Vec(T(2 * 1.4426950408889634)));
-    const Vec big = (e - Vec(T(1))) / (e + Vec(T(1)));
+    const Vec big = (e - Vec(T(1))) / (e + Vec(T(1))) * Vec(cap);
     const Vec signed_big = Vec::blendv(big, Vec(T(0)) - big, y < Vec(T(0)));
     return Vec::blendv(signed_big, small, a < Vec(T(0.55)));
   }
 }
+
+// Subnormal results flush to zero while a kernel's thread runs (MXCSR.FTZ,
+// restored on leaving; inputs are read as given). On x86 every subnormal
+// result costs a microcode assist (~100+ cycles), and attention makes them
+// itself: with an ALiBi bias the probabilities of far keys fall to 2^-120 or
+// so, and a product P V whose accumulator starts at 0 is subnormal for keys
+// after keys (measured on the Xeon, 4x8x1024x64 causal float32 with ALiBi:
+// 38 ms against 21.5 without the bias; 23 ms with this). A result that small
+// is below float's resolution of anything the row sums to (a row's
+// probabilities sum to 1), so flushing it changes no figure that matters.
+class FlushSubnormals {
+ public:
+#if defined(__x86_64__) || defined(_M_X64)
+  FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | _MM_FLUSH_ZERO_ON); }
+  ~FlushSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#else
+  FlushSubnormals() {}
+#endif
+ public:
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
+};
 
 // The largest of s[0, n); four chains hide the max instruction's latency.
 template <typename T>
@@ -497,30 +528,51 @@ constexpr int64_t kDirectRows = 2;
 // keeps the tanh for the backward), get the ALiBi bias and the additive mask
 // added, and -inf where the bool mask says no or the key is outside the row's
 // visible range (causal, window); s[n, n_padded) become -inf.
+//
+// Products may leave the row unscaled (AMX keeps Q as bfloat16, unscaled):
+// s * unscaled is the score. The softcap, the ALiBi bias and an additive mask
+// need the score itself, so with one of them the first pass over the row
+// applies the factor and 1 is returned; otherwise the factor is returned and
+// rides in the exponent (masking to -inf does not care; see
+// probabilities_row). A factor that is not positive is applied at once (the
+// row max of s * f is not max(s) * f then).
 // ---------------------------------------------------------------------------
 template <typename scalar_t, typename T>
-inline void score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64_t b, int64_t h, int64_t i,
-                      int64_t j0, T* tanh_out = nullptr) {
+inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64_t b, int64_t h, int64_t i,
+                   int64_t j0, T unscaled, T* tanh_out = nullptr) {
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  T pending = unscaled;  // the factor not yet applied to s
+  if (!(pending > T(0))) {
+    scale_row(s, n_padded, pending);
+    pending = T(1);
+  }
   if (p.softcap > 0.0) {
-    const Vec cap(static_cast<T>(p.softcap)), inv_cap(static_cast<T>(1.0 / p.softcap));
+    // cap tanh(s / cap) in one polynomial; the backward's tanh (for its derivative) from it
+    const T cap = static_cast<T>(p.softcap);
+    const Vec in(static_cast<T>(pending / p.softcap)), inv_cap(static_cast<T>(1.0 / p.softcap));
     for (int64_t j = 0; j < n_padded; j += VS) {
-      const Vec t = fast_tanh(Vec::loadu(s + j) * inv_cap);
-      if (tanh_out != nullptr) t.store(tanh_out + j);
-      (t * cap).store(s + j);
+      const Vec capped = fast_tanh(Vec::loadu(s + j) * in, cap);
+      capped.store(s + j);
+      if (tanh_out != nullptr) (capped * inv_cap).store(tanh_out + j);
     }
+    pending = T(1);
   }
   if (p.alibi != nullptr) {
     // s_j -= slope * |pos - (j0 + j)|: the distance of key j0 + j from the row's position
-    const Vec slope(static_cast<T>(p.alibi[b * p.alibi_stride_b + h]));
+    const Vec slope(static_cast<T>(p.alibi[b * p.alibi_stride_b + h])), factor(pending);
     const Vec lanes = Vec::arange(T(0), T(1));
     const T d0 = static_cast<T>(i + p.causal_offset - j0);
     for (int64_t j = 0; j < n_padded; j += VS) {
       const Vec dist = (Vec(d0 - static_cast<T>(j)) - lanes).abs();
-      (Vec::loadu(s + j) - slope * dist).store(s + j);
+      at::vec::fmsub(Vec::loadu(s + j), factor, slope * dist).store(s + j);
     }
+    pending = T(1);
+  }
+  if (p.mask_kind == MaskKind::Additive && pending != T(1)) {
+    scale_row(s, n_padded, pending);
+    pending = T(1);
   }
   if (p.mask_kind != MaskKind::None) {
     const int64_t offset = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2] +
@@ -544,21 +596,7 @@ inline void score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, in
   const int64_t end = std::clamp<int64_t>(keys.end - j0, begin, n);
   std::fill(s, s + begin, kNegInf);
   std::fill(s + end, s + n_padded, kNegInf);
-}
-
-// Products may leave a score tile unscaled (AMX keeps Q as bfloat16, unscaled):
-// s * unscaled is the score. An additive mask, an ALiBi bias or the softcap need
-// the score itself, so with one the row is scaled here before score_row;
-// otherwise the factor is returned and rides in the exponent (masking to -inf
-// does not care). 1 when already scaled.
-template <typename T>
-inline T fold_scale(const AttnParams& p, T* s, int64_t np, T unscaled) {
-  if (unscaled == T(1)) return T(1);
-  if (p.mask_kind == MaskKind::Additive || p.softcap > 0.0 || p.alibi != nullptr || !(unscaled > T(0))) {
-    scale_row(s, np, unscaled);
-    return T(1);
-  }
-  return unscaled;
+  return pending;
 }
 
 // The dropout rule of attention_math.h (keep test, 1 / (1 - p)).
@@ -566,7 +604,7 @@ template <typename T>
 using Dropout = DropoutRule<T>;
 
 // Row i of a score tile (keys j0 + j, already masked) to probabilities, given
-// the row's log-sum-exp: s = exp(s * mul - lse) (mul: see fold_scale). With dropout, z = s * keep / (1 - p)
+// the row's log-sum-exp: s = exp(s * mul - lse) (mul: what score_row returned). With dropout, z = s * keep / (1 - p)
 // (z may be s itself) and, when dz is given, dz *= keep / (1 - p) likewise.
 // Shared by the backward and the explicit-probabilities forward.
 template <typename T>
@@ -823,6 +861,7 @@ void forward_driver(const AttnParams& p) {
   const int64_t macs = B * Hq * p.L * std::max<int64_t>(p.S, 1) * (p.E + p.Ev);
   const int64_t grain = macs < kInlineMacs ? n_tasks * splits : 1;
   at::parallel_for(0, n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
     Products products(p, q_block, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
@@ -865,8 +904,7 @@ void forward_driver(const AttnParams& p) {
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
-          const T f = fold_scale(ps, s, np, unscaled);
-          score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0);
+          const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled);
           const T m_new = std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
             if (std::any_of(s, s + n, [](T x) { return std::isnan(x); }))
@@ -916,8 +954,7 @@ void forward_driver(const AttnParams& p) {
           if (!seen || row_lse == kNegInf) {
             std::fill(s, s + np, T(0));
           } else {
-            const T f = fold_scale(ps, s, np, unscaled);
-            score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0);
+            const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled);
             probabilities_row(ps, drop, s, s, static_cast<T*>(nullptr), n, np, row_lse, f, b, h, i, j0);
           }
           store_row(p_bh + i * ps.probs_stride[2] + j0 * ps.probs_stride[3], ps.probs_stride[3], s, n, T(1));
@@ -929,6 +966,7 @@ void forward_driver(const AttnParams& p) {
 
   // Split-KV merge: each row's splits weighted by exp(m_s - max), a NaN in any split kept.
   at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
     Buffer<T> ot(q_block * Ev);
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
@@ -1102,6 +1140,7 @@ void backward_driver(const AttnBwdParams& p) {
   // for the explicit probabilities Z; and the sinks' gradient of each (b, h).
   std::vector<T> delta(p.cu_q != nullptr ? p.cu_q[B] * Hq : B * Hq * L);
   at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hq, h = bh % Hq;
@@ -1139,6 +1178,7 @@ void backward_driver(const AttnBwdParams& p) {
   const T dq_mul = Products::dq_scale(p), dk_mul = Products::dk_scale(p);
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
     Products products(p, q_block, kv_block);
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     const T unscaled = Products::unscaled(p);              // scores() leaves S divided by this
@@ -1200,8 +1240,7 @@ void backward_driver(const AttnBwdParams& p) {
                 if (dropout) std::fill(zt.data() + r * np, zt.data() + (r + 1) * np, T(0));
                 continue;
               }
-              const T f = fold_scale(ps, s, np, unscaled);
-              score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, t);
+              const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled, t);
               probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h,
                                 i, j0);
               const Vec d(delta[row]);
@@ -1248,6 +1287,7 @@ void backward_driver(const AttnBwdParams& p) {
 
   // dQ = the sum of the chunks' partial sums, row by row.
   at::parallel_for(0, B * Hq * L, 64, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     std::vector<T> row(Ep);
     for (int64_t bhi = begin; bhi < end; ++bhi) {

@@ -123,3 +123,18 @@ def test_decode_rows_match_reference(L, layout, dtype, device):
     if dtype == torch.float64:
         got = attn_ext.attention_probs(q, k, **kw)
         assert rel_err(got, attention_probs_reference(q, k, **kw)) < TOL
+
+
+# The bfloat16 decoding products (AVX512-BF16 dot products on the amx variant) take keys 16
+# at a time plus a tail, head dims 32 at a time with a masked tail, and value columns up to
+# 128 per pass over the keys: head dims and key counts on either side of each.
+@pytest.mark.parametrize("L", [1, 2])
+@pytest.mark.parametrize("E,Ev,S", [(24, 16, 7), (64, 64, 33), (128, 128, 1), (256, 200, 45), (96, 40, 16)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_decode_head_dims_and_key_counts_match_reference(L, E, Ev, S, dtype, device):
+    from helpers import run_forward_case
+
+    q, k, v = make_qkv(2, 2, 1, L, S, E, Ev, dtype, device, seed=E + S + L)
+    run_forward_case(q, k, v, enable_gqa=True)
+    run_forward_case(q, k, v, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")

@@ -21,6 +21,7 @@
 //   C  : M x N float32, row stride ldc.
 #pragma once
 
+#include <algorithm>
 #include <cassert>
 #include <cstdint>
 #include <cstring>
@@ -359,6 +360,107 @@ inline void copy_rows_bf16(uint16_t* dst, int64_t ldd, const uint16_t* src, int6
     for (int64_t k = 0; k < Kp; k += 32)
       _mm512_mask_storeu_epi16(dst + m * ldd + k, detail::mask32(Kp - k),
                                _mm512_maskz_loadu_epi16(detail::mask32(K - k), src + m * lds + k));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding: a query row or two against every key, keys and values read in place as bf16 rows
+// (AVX512-BF16's vdpbf16ps: pairs of exact bf16 products summed in fp32; no tile state needed).
+// ---------------------------------------------------------------------------------------------
+
+// S[r][j] = sum_k Q[r][k] X[j][k] for r < M, j < N. Q: M rows, row stride ldq, zero in columns K..Kp
+// (Kp = K rounded up to 32); X: N rows of K bf16, row stride ldx; S: fp32, row stride lds.
+// Sixteen keys at a time: their 16 partial-sum vectors are transposed and added (no horizontal sums).
+namespace detail {
+
+// The 16 partial sums of the dot product of a zero-padded row q (Kp = K rounded up to 32) and a row x of K.
+inline __m512 dot_parts_bf16(const uint16_t* q, const uint16_t* x, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + k),
+                           (__m512bh)_mm512_maskz_loadu_epi16(mask32(K - k), x + k));
+  return acc;
+}
+
+}  // namespace detail
+
+inline void dot_rows_bf16(float* S, int64_t lds, const uint16_t* Q, int64_t ldq, int64_t M, const uint16_t* X,
+                          int64_t ldx, int64_t N, int64_t K) {
+  using detail::dot_parts_bf16;
+  for (int64_t r = 0; r < M; ++r) {
+    const uint16_t* q = Q + r * ldq;
+    float* s = S + r * lds;
+    int64_t j = 0;
+    for (; j + 16 <= N; j += 16) {
+      __m512i part[16];
+      for (int i = 0; i < 16; ++i) part[i] = _mm512_castps_si512(dot_parts_bf16(q, X + (j + i) * ldx, K));
+      detail::transpose16x16_epi32(part);  // part[i] word t: key j + t's partial sum i
+      __m512 sum = _mm512_castsi512_ps(part[0]);
+      for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, _mm512_castsi512_ps(part[i]));
+      _mm512_storeu_ps(s + j, sum);
+    }
+    for (; j < N; ++j) s[j] = _mm512_reduce_add_ps(dot_parts_bf16(q, X + j * ldx, K));
+  }
+}
+
+namespace detail {
+
+// O[c0 + c] += sum_j P[j] V[j][c0 + c] for c < min(32 NCH, C - c0), j < N, one row of P.
+// Key pairs go through vdpbf16ps: word w of unpacklo_epi16(V[j], V[j + 1]) (per 128-bit lane)
+// holds the pair of column 8 (w / 4) + w % 4, of unpackhi column 8 (w / 4) + 4 + w % 4; the
+// columns are put back in order once, at the end.
+template <int NCH>
+inline void add_pv_row_bf16(float* O, const uint16_t* P, const uint16_t* V, int64_t ldv, int64_t N, int64_t C,
+                            int64_t c0) {
+  __m512 lo[NCH], hi[NCH];
+  __mmask32 cols[NCH];
+  for (int ch = 0; ch < NCH; ++ch) {
+    lo[ch] = hi[ch] = _mm512_setzero_ps();
+    cols[ch] = mask32(C - c0 - 32 * ch);
+  }
+  for (int64_t j = 0; j < N; j += 2) {
+    uint32_t pair;  // P[j], P[j + 1] (0 past N: P is zero-padded to an even length)
+    std::memcpy(&pair, P + j, sizeof(pair));
+    const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+    const uint16_t* v0 = V + j * ldv + c0;
+    const uint16_t* v1 = j + 1 < N ? v0 + ldv : nullptr;
+    for (int ch = 0; ch < NCH; ++ch) {
+      const __m512i a = _mm512_maskz_loadu_epi16(cols[ch], v0 + 32 * ch);
+      const __m512i b = v1 ? _mm512_maskz_loadu_epi16(cols[ch], v1 + 32 * ch) : _mm512_setzero_si512();
+      lo[ch] = _mm512_dpbf16_ps(lo[ch], (__m512bh)_mm512_unpacklo_epi16(a, b), pp);
+      hi[ch] = _mm512_dpbf16_ps(hi[ch], (__m512bh)_mm512_unpackhi_epi16(a, b), pp);
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int ch = 0; ch < NCH; ++ch) {
+    const int64_t c = c0 + 32 * ch;
+    float* o = O + c;
+    const __mmask16 m0 = mask16(C - c), m1 = mask16(C - c - 16);
+    _mm512_mask_storeu_ps(o, m0, _mm512_add_ps(_mm512_maskz_loadu_ps(m0, o), _mm512_permutex2var_ps(lo[ch], first, hi[ch])));
+    _mm512_mask_storeu_ps(o + 16, m1,
+                          _mm512_add_ps(_mm512_maskz_loadu_ps(m1, o + 16), _mm512_permutex2var_ps(lo[ch], second, hi[ch])));
+  }
+}
+
+}  // namespace detail
+
+// O[r][c] += sum_j P[r][j] V[j][c] for r < M, j < N, c < C. P: M rows of bf16, row stride ldp, zero
+// in column N when N is odd; V: N rows of C bf16, row stride ldv; O: fp32, row stride ldo. Up to
+// 128 columns per pass over the keys (eight accumulators).
+inline void add_pv_rows_bf16(float* O, int64_t ldo, const uint16_t* P, int64_t ldp, int64_t M, const uint16_t* V,
+                             int64_t ldv, int64_t N, int64_t C) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t c0 = 0; c0 < C; c0 += 128) {
+      float* o = O + r * ldo;
+      const uint16_t* p = P + r * ldp;
+      switch ((std::min<int64_t>(C - c0, 128) + 31) / 32) {
+        case 1: detail::add_pv_row_bf16<1>(o, p, V, ldv, N, C, c0); break;
+        case 2: detail::add_pv_row_bf16<2>(o, p, V, ldv, N, C, c0); break;
+        case 3: detail::add_pv_row_bf16<3>(o, p, V, ldv, N, C, c0); break;
+        default: detail::add_pv_row_bf16<4>(o, p, V, ldv, N, C, c0); break;
+      }
+    }
+  }
 }
 
 }  // namespace amx

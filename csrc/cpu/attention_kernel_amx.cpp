@@ -106,6 +106,59 @@ class AmxForwardProducts {
   Buffer<uint16_t> qa_, pa_, kv_, vv_;
 };
 
+// Decoding's products (VecForwardProducts' interface) for a query block of
+// kDirectRows rows or fewer, where packing keys for tiles costs more than the
+// product: each key and value row is read in place as bfloat16 and multiplied
+// with AVX512-BF16 dot products (float32 sums of exact bfloat16 products), Q
+// kept as bfloat16 rows, unscaled, as on the tiles. Each row of P is rounded
+// to bfloat16 for P V, as on the tiles.
+class Bf16DotProducts {
+ public:
+  using T = float;
+  static constexpr int64_t kCols = 16;     // S and O rows are padded to whole vectors
+  static constexpr int64_t kKeyAlign = 16;
+  static constexpr int64_t kRowAlign = 1;
+  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
+
+  Bf16DotProducts(const AttnParams& p, int64_t q_block, int64_t /*panel*/, int64_t cols)
+      : p_(&p), E_(p.E), Ep_(round_up(std::max<int64_t>(p.E, 1), 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)),
+        lp_(round_up(cols, 32)) {
+    qa_.resize(q_block * Ep_);
+    pa_.resize(q_block * lp_);
+  }
+
+  int64_t out_ld() const { return Evp_; }
+  void bind(const AttnParams& p) { p_ = &p; }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    m_ = m;
+    amx::copy_rows_bf16(qa_.data(), Ep_, bits(row_at<Bf16>(p_->q, p_->q_stride, b, h, i0)), p_->q_stride[2], m, E_,
+                        Ep_);
+  }
+
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    amx::dot_rows_bf16(st, ld, qa_.data(), Ep_, m_, bits(row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0)),
+                       p_->k_stride[2], n, E_);
+    for (int64_t r = 0; r < m_; ++r) std::fill(st + r * ld + n, st + (r + 1) * ld, 0.f);
+  }
+
+  // Row r of P, rounded to bfloat16 (zero past n, so that keys pair up).
+  void take_p_row(int64_t r, const float* s, int64_t n) {
+    amx::convert_rows_to_bf16(pa_.data() + r * lp_, lp_, s, lp_, 1, n, round_up(n, 2));
+  }
+
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    amx::add_pv_rows_bf16(ot, Evp_, pa_.data(), lp_, m_, bits(row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0)),
+                          p_->v_stride[2], n, p_->Ev);
+  }
+
+ private:
+  const AttnParams* p_;
+  const int64_t E_, Ep_, Evp_, lp_;
+  int64_t m_ = 0;
+  Buffer<uint16_t> qa_, pa_;
+};
+
 // The backward's products on AMX tiles (VecBackwardProducts' interface). Q
 // and dO are kept unscaled as bfloat16 A rows and as VNNI panels (for dK and
 // dV, whose sums run over the query rows); K^T, V^T and K of a key block as
@@ -218,8 +271,16 @@ bool amx_suits(const AttnBwdParams& p) {
 
 }  // namespace
 
+// Decoding steps (a row or two per query block) read keys and values in place;
+// the explicit-probabilities op keeps avx512's path.
+bool dots_suit(const AttnParams& p) {
+  return p.dtype == DType::BFloat16 && p.L <= kDirectRows && p.E > 0 && p.v != nullptr && p.probs == nullptr &&
+         p.q_stride[3] == 1 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
+}
+
 void attention_forward(const AttnParams& params) {
   if (amx_suits(params)) return forward_driver<Bf16, AmxForwardProducts>(params);
+  if (dots_suit(params)) return forward_driver<Bf16, Bf16DotProducts>(params);
   AVX512::attention_forward(params);
 }
 

@@ -352,21 +352,22 @@ inline Vectorized<T> fast_tanh(const Vectorized<T>& y, T cap = T(1)) {
 // kernel's speed). A result that small is below float's resolution of
 // anything the row sums to (a row's probabilities sum to 1), so flushing it
 // changes no figure that matters.
+#if defined(__x86_64__) || defined(_M_X64)
 class FlushSubnormals {
  public:
-#if defined(__x86_64__) || defined(_M_X64)
   FlushSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | _MM_FLUSH_ZERO_ON); }
   ~FlushSubnormals() { _mm_setcsr(saved_); }
+  FlushSubnormals(const FlushSubnormals&) = delete;
+  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
 
  private:
   unsigned saved_;
-#else
-  FlushSubnormals() {}
-#endif
- public:
-  FlushSubnormals(const FlushSubnormals&) = delete;
-  FlushSubnormals& operator=(const FlushSubnormals&) = delete;
 };
+#else
+struct FlushSubnormals {  // elsewhere: nothing to set
+  FlushSubnormals() {}
+};
+#endif
 
 // The largest of s[0, n); four chains hide the max instruction's latency.
 template <typename T>
@@ -605,8 +606,9 @@ template <typename T>
 using Dropout = DropoutRule<T>;
 
 // Row i of a score tile (keys j0 + j, already masked) to probabilities, given
-// the row's log-sum-exp: s = exp(s * mul - lse) (mul: what score_row returned). With dropout, z = s * keep / (1 - p)
-// (z may be s itself) and, when dz is given, dz *= keep / (1 - p) likewise.
+// the row's log-sum-exp: s = exp(s * mul - lse) (mul: what score_row returned).
+// With dropout, z = s * keep / (1 - p) (z may be s itself) and, when dz is
+// given, dz *= keep / (1 - p) likewise.
 // Shared by the backward and the explicit-probabilities forward.
 template <typename T>
 inline void probabilities_row(const AttnParams& p, const Dropout<T>& drop, T* s, T* z, T* dz, int64_t n,

@@ -207,6 +207,61 @@ void test_copy_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) 
 
 // The attention pattern end to end: S = Q K^T with fp32 Q converted + padded and K^T VNNI-packed from
 // K's rows, then O = P^T-style product using the transposing conversion. Ragged sizes everywhere.
+// Decoding's dot products: S = Q X^T (Q zero-padded to whole 32-column chunks), then O += P V.
+void test_dot_rows(int64_t M, int64_t N, int64_t K, int64_t ldx_extra) {
+  const int64_t Kp = round_up(K, 32), ldx = K + ldx_extra, lds = round_up(N, 16) + 16;
+  std::vector<uint16_t> Q = random_bf16(M * Kp), X = random_bf16(N * ldx);
+  for (int64_t m = 0; m < M; ++m) std::fill(Q.begin() + m * Kp + K, Q.begin() + (m + 1) * Kp, uint16_t(0));
+  std::vector<float> S(M * lds, -7.f);
+  amx::dot_rows_bf16(S.data(), lds, Q.data(), Kp, M, X.data(), ldx, N, K);
+  double worst = 0;
+  bool untouched = true;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t j = 0; j < N; ++j) {
+      double ref = 0, mag = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double p = double(bf16_to_float(Q[m * Kp + k])) * bf16_to_float(X[j * ldx + k]);
+        ref += p;
+        mag += std::fabs(p);
+      }
+      worst = std::max(worst, std::fabs(S[m * lds + j] - ref) / (mag + 1e-30));
+    }
+    for (int64_t j = N; j < lds; ++j) untouched &= S[m * lds + j] == -7.f;
+  }
+  const std::string what = "dot_rows_bf16 M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                           " K=" + std::to_string(K) + " (rel err " + std::to_string(worst) + ")";
+  check(worst < 2e-6, what);
+  check(untouched, what + ": wrote past N");
+}
+
+void test_add_pv_rows(int64_t M, int64_t N, int64_t C, int64_t ldv_extra) {
+  const int64_t ldp = round_up(N, 32), ldv = C + ldv_extra, ldo = round_up(C, 16) + 16;
+  std::vector<uint16_t> P = random_bf16(M * ldp), V = random_bf16(N * ldv);
+  for (int64_t m = 0; m < M; ++m) std::fill(P.begin() + m * ldp + N, P.begin() + (m + 1) * ldp, uint16_t(0));
+  std::vector<float> O(M * ldo);
+  for (auto& o : O) o = uniform(-4.f, 4.f);
+  const std::vector<float> O0 = O;
+  amx::add_pv_rows_bf16(O.data(), ldo, P.data(), ldp, M, V.data(), ldv, N, C);
+  double worst = 0;
+  bool untouched = true;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c = 0; c < C; ++c) {
+      double ref = O0[m * ldo + c], mag = std::fabs(ref);
+      for (int64_t j = 0; j < N; ++j) {
+        const double p = double(bf16_to_float(P[m * ldp + j])) * bf16_to_float(V[j * ldv + c]);
+        ref += p;
+        mag += std::fabs(p);
+      }
+      worst = std::max(worst, std::fabs(O[m * ldo + c] - ref) / (mag + 1e-30));
+    }
+    for (int64_t c = C; c < ldo; ++c) untouched &= bits_of(O[m * ldo + c]) == bits_of(O0[m * ldo + c]);
+  }
+  const std::string what = "add_pv_rows_bf16 M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                           " C=" + std::to_string(C) + " (rel err " + std::to_string(worst) + ")";
+  check(worst < 2e-6, what);
+  check(untouched, what + ": wrote past C");
+}
+
 void test_pipeline(int64_t L, int64_t S, int64_t E) {
   const int64_t Lp = round_up(L, 32), Sp = round_up(S, 32), Ep = round_up(E, 32);
   std::vector<float> Q(L * E);
@@ -362,6 +417,12 @@ int main(int argc, char** argv) {
   }
   test_pack_vnni_from_rows(64, 128, 64, 128, 128);  // exact sizes, no padding
   test_pack_vnni_from_transposed(64, 128, 128, 64, 128);
+  for (int64_t M : {1, 2})
+    for (int64_t N : {1, 2, 15, 16, 17, 33, 100})
+      for (int64_t K : {8, 24, 32, 64, 96, 128, 200, 256}) {
+        test_dot_rows(M, N, K, (N + K) % 3 == 0 ? 0 : 5);
+        test_add_pv_rows(M, N, K, (N + K) % 2 == 0 ? 0 : 3);
+      }
   test_pipeline(37, 53, 24);
   test_pipeline(64, 128, 64);
   test_pipeline(100, 30, 72);

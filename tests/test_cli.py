@@ -64,7 +64,10 @@ def test_bench_writes_a_table_json_and_plot(tmp_path):
         assert r["check_ok"], r
         flops = 4 * r["B"] * r["H"] * r["L"] * r["S"] * r["E"] * (0.5 if r["causal"] else 1.0) * pass_factor[r["pass"]]
         assert r["flops"] == flops, r
-        assert abs(r["gflops"] - flops / (r["ms"] * 1e6)) <= 1e-9 * r["gflops"], r
+        if r["ms"] is None:  # a backward shorter than the timing noise of these tiny calls
+            assert r["pass"] == "bwd" and r["gflops"] is None, r
+            continue
+        assert r["ms"] > 0 and abs(r["gflops"] - flops / (r["ms"] * 1e6)) <= 1e-9 * r["gflops"], r
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -233,10 +233,13 @@ def to_rows(shape: common.Shape, dtype: torch.dtype, records: list[dict],
     rows = []
     for rec in records:
         fwd, fb = rec["fwd"], rec["fwd+bwd"]
+        # The backward is forward+backward less the forward: on a call so short that
+        # timing noise exceeds it, that difference is not a time (None, as unmeasured).
+        bwd = fb.median_s - fwd.median_s if (fwd and fb) else None
         times = {
             "fwd": fwd.median_s if fwd else None,
             "fwd+bwd": fb.median_s if fb else None,
-            "bwd": (fb.median_s - fwd.median_s) if (fwd and fb) else None,
+            "bwd": bwd if bwd is not None and bwd > 0 else None,
         }
         for pass_ in common.PASSES:
             t = times[pass_]

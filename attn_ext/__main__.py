@@ -22,7 +22,7 @@ _ISA_WHAT = {
     "default": "portable at::vec code",
     "avx2": "AVX2 + FMA, 8 float lanes",
     "avx512": "AVX-512, 16 float lanes, 32 registers",
-    "amx": "AMX-BF16 tiles for bfloat16, avx512 for the other dtypes",
+    "amx": "AMX-BF16 tiles for bfloat16 (decoding rows: AVX512-BF16 dot products), avx512 for the other dtypes",
 }
 
 

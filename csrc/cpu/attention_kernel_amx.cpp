@@ -115,9 +115,9 @@ class AmxForwardProducts {
 class Bf16DotProducts {
  public:
   using T = float;
-  static constexpr int64_t kCols = 16;     // S and O rows are padded to whole vectors
-  static constexpr int64_t kKeyAlign = 16;
-  static constexpr int64_t kRowAlign = 1;
+  static constexpr int64_t kCols = 16;      // S and O rows are padded to whole vectors
+  static constexpr int64_t kKeyAlign = 16;  // key blocks too
+  static constexpr int64_t kRowAlign = 1;   // query blocks of any height (one or two rows here)
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
   Bf16DotProducts(const AttnParams& p, int64_t q_block, int64_t /*panel*/, int64_t cols)
@@ -269,14 +269,14 @@ bool amx_suits(const AttnBwdParams& p) {
   return amx_suits(static_cast<const AttnParams&>(p)) && p.S > 0 && (p.dout == nullptr || p.do_stride[3] == 1);
 }
 
-}  // namespace
-
 // Decoding steps (a row or two per query block) read keys and values in place;
 // the explicit-probabilities op keeps avx512's path.
 bool dots_suit(const AttnParams& p) {
   return p.dtype == DType::BFloat16 && p.L <= kDirectRows && p.E > 0 && p.v != nullptr && p.probs == nullptr &&
          p.q_stride[3] == 1 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
 }
+
+}  // namespace
 
 void attention_forward(const AttnParams& params) {
   if (amx_suits(params)) return forward_driver<Bf16, AmxForwardProducts>(params);

@@ -78,6 +78,18 @@ std::vector<uint16_t> ref_vnni(const uint16_t* B, int64_t rs, int64_t K, int64_t
   return v;
 }
 
+// |got - (init + sum_k a[k sa] b[k sb])| relative to |init| + sum_k |a[k sa] b[k sb]|, for bf16 a and b
+// (the products are exact in double): the error of one fp32-accumulated dot product.
+double dot_rel_err(float got, double init, const uint16_t* a, int64_t sa, const uint16_t* b, int64_t sb, int64_t n) {
+  double ref = init, mag = std::fabs(init);
+  for (int64_t k = 0; k < n; ++k) {
+    const double p = double(bf16_to_float(a[k * sa])) * bf16_to_float(b[k * sb]);
+    ref += p;
+    mag += std::fabs(p);
+  }
+  return std::fabs(got - ref) / (mag + 1e-30);
+}
+
 // ------------------------------------------------------------------------------------------------
 void test_gemm(int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_extra, int64_t ldc_extra) {
   const int64_t lda = K + lda_extra, ldc = N + ldc_extra;
@@ -90,15 +102,9 @@ void test_gemm(int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_ext
   double worst = 0;
   bool untouched = true;
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n = 0; n < N; ++n) {
-      double ref = accumulate ? C0[m * ldc + n] : 0.0, mag = std::fabs(ref);
-      for (int64_t k = 0; k < K; ++k) {
-        const double p = double(bf16_to_float(A[m * lda + k])) * bf16_to_float(B[k * N + n]);
-        ref += p;
-        mag += std::fabs(p);
-      }
-      worst = std::max(worst, std::fabs(C[m * ldc + n] - ref) / (mag + 1e-30));
-    }
+    for (int64_t n = 0; n < N; ++n)
+      worst = std::max(worst, dot_rel_err(C[m * ldc + n], accumulate ? C0[m * ldc + n] : 0.0, &A[m * lda], 1,
+                                          &B[n], N, K));
     for (int64_t n = N; n < ldc; ++n) untouched &= bits_of(C[m * ldc + n]) == bits_of(C0[m * ldc + n]);
   }
   char what[160];
@@ -217,15 +223,8 @@ void test_dot_rows(int64_t M, int64_t N, int64_t K, int64_t ldx_extra) {
   double worst = 0;
   bool untouched = true;
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t j = 0; j < N; ++j) {
-      double ref = 0, mag = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        const double p = double(bf16_to_float(Q[m * Kp + k])) * bf16_to_float(X[j * ldx + k]);
-        ref += p;
-        mag += std::fabs(p);
-      }
-      worst = std::max(worst, std::fabs(S[m * lds + j] - ref) / (mag + 1e-30));
-    }
+    for (int64_t j = 0; j < N; ++j)
+      worst = std::max(worst, dot_rel_err(S[m * lds + j], 0.0, &Q[m * Kp], 1, &X[j * ldx], 1, K));
     for (int64_t j = N; j < lds; ++j) untouched &= S[m * lds + j] == -7.f;
   }
   const std::string what = "dot_rows_bf16 M=" + std::to_string(M) + " N=" + std::to_string(N) +
@@ -245,15 +244,8 @@ void test_add_pv_rows(int64_t M, int64_t N, int64_t C, int64_t ldv_extra) {
   double worst = 0;
   bool untouched = true;
   for (int64_t m = 0; m < M; ++m) {
-    for (int64_t c = 0; c < C; ++c) {
-      double ref = O0[m * ldo + c], mag = std::fabs(ref);
-      for (int64_t j = 0; j < N; ++j) {
-        const double p = double(bf16_to_float(P[m * ldp + j])) * bf16_to_float(V[j * ldv + c]);
-        ref += p;
-        mag += std::fabs(p);
-      }
-      worst = std::max(worst, std::fabs(O[m * ldo + c] - ref) / (mag + 1e-30));
-    }
+    for (int64_t c = 0; c < C; ++c)
+      worst = std::max(worst, dot_rel_err(O[m * ldo + c], O0[m * ldo + c], &P[m * ldp], 1, &V[c], ldv, N));
     for (int64_t c = C; c < ldo; ++c) untouched &= bits_of(O[m * ldo + c]) == bits_of(O0[m * ldo + c]);
   }
   const std::string what = "add_pv_rows_bf16 M=" + std::to_string(M) + " N=" + std::to_string(N) +

@@ -13,6 +13,9 @@
 #              with BASELINE=DIR also the tree in DIR (built here first), in the same session
 #   grid       benchmarks/bench_gpu.py, the whole grid, --json $OUT/gpu.json (its JSON is
 #              written after every case, so a grid cut short keeps what it measured)
+#   profile    Nsight Compute (ncu: $NCU, the PATH's or CUDA's) on the bf16 backward's main kernel, ours and
+#              flash's (benchmarks/profile_gpu_backward.py): opcode counts by name, pipes,
+#              stalls, source counters; about 25 s each on an H200
 #
 # Measured on an H100 (2026-11-26): build 72-84 s with 16 jobs, tests 65 s,
 # memcheck 15 s, backward 25 s per tree, grid about 4 minutes at 0.1 s per measurement.
@@ -24,7 +27,7 @@
 #   COMMIT      the commit being measured, recorded in the grid's JSON
 #   BASELINE    a copy of another tree (e.g. `git archive HEAD~1 | tar -x -C DIR`) to time beside this one
 #   *_TIMEOUT   seconds per step: BUILD_TIMEOUT 300, TESTS_TIMEOUT 200, MEMCHECK_TIMEOUT 120,
-#               BACKWARD_TIMEOUT 120, GRID_TIMEOUT 300
+#               BACKWARD_TIMEOUT 120, GRID_TIMEOUT 300, PROFILE_TIMEOUT 90
 
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -88,8 +91,20 @@ for s in "${STEPS[@]}"; do
         --markdown --commit "${COMMIT:-}" --json "$OUT/gpu.json"
       [ -f "$OUT/gpu.json" ] && env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu.py --report "$OUT/gpu.json"
       ;;
+    profile)
+      # Nsight Compute on the bf16 backward's main kernel, ours and flash's: every SASS
+      # opcode's count by name, the pipes, the stall reasons and the source counters.
+      NCU_ARGS=(--section InstructionStats --section WarpStateStats --section SourceCounters --print-details all
+                --metrics sass__inst_executed_per_opcode,smsp__inst_executed_pipe_alu.sum,smsp__inst_executed_pipe_fma.sum,smsp__inst_executed_pipe_lsu.sum,smsp__inst_executed_pipe_tensor.sum,smsp__inst_executed_pipe_uniform.sum,smsp__inst_executed_op_ldsm.sum,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_global_red.sum
+                --print-metric-instances details --launch-skip 1 --launch-count 1)
+      NCU=${NCU:-$(command -v ncu || echo /usr/local/cuda/bin/ncu)}
+      step profile_ours "${PROFILE_TIMEOUT:-90}" env PYTHONPATH="$PWD" "$NCU" "${NCU_ARGS[@]}" --kernel-name-base demangled \
+        --kernel-name regex:attention_bwd_tc "$PYTHON" benchmarks/profile_gpu_backward.py ours
+      step profile_flash "${PROFILE_TIMEOUT:-90}" env PYTHONPATH="$PWD" "$NCU" "${NCU_ARGS[@]}" \
+        --kernel-name regex:flash_bwd_dq_dk_dv "$PYTHON" benchmarks/profile_gpu_backward.py flash
+      ;;
     *)
-      echo "gpu_lease: unknown step '$s' (build, tests, memcheck, backward, grid)" >&2
+      echo "gpu_lease: unknown step '$s' (build, tests, memcheck, backward, grid, profile)" >&2
       exit 2
       ;;
   esac

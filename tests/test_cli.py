@@ -30,6 +30,9 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     (["check", "--devcie", "cpu"], "unrecognized arguments"),
     (["bench", "--variant", "nope"], "invalid choice: 'nope'"),
     (["bench", "--variant", "varlen", "--shapes", "2x8x512x64"], "varlen shapes are 1xHxTxE"),
+    (["bench", "--decode", "--lengths", "0"], "--lengths, --batches and --rounds must be >= 1"),
+    (["bench", "--decode", "--tokens", "128"], "--tokens must be in 1..127"),
+    (["bench", "--decode", "--dtype", "int8"], "int8"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
     rc, out, err = _run(*args)
@@ -142,6 +145,45 @@ def test_bench_variant_checks_times_and_writes_json(variant, tmp_path):
     for t in saved["targets"]:
         assert (t["value"] is None) == (t["met"] is None) and (t["value"] is not None or t["why_not_measured"])
         assert f"{t['target']}: " in out
+
+
+def test_bench_decode_times_steps_and_the_char_gpt(tmp_path):
+    import json
+
+    json_path = tmp_path / "decode.json"
+    rc, out, err = _run("bench", "--decode", "--lengths", "40,300", "--batches", "2", "--rounds", "1",
+                        "--tokens", "6", "--threads", "1", "--json", str(json_path))
+    assert rc == 0, out[-2000:] + err[-2000:]
+    saved = json.loads(json_path.read_text())
+    steps = saved["steps"]
+    # batch 2 x (MHA 8/8, GQA 8/2) x two cache lengths, one query row each
+    assert sorted((r["Hkv"], r["S"]) for r in steps) == [(2, 40), (2, 300), (8, 40), (8, 300)]
+    for r in steps:
+        assert r["B"] == 2 and r["Hq"] == 8 and r["E"] == 64 and r["target"] is None, r
+        assert r["ours_us"] > 0 and r["sdpa_us"] > 0 and r["ratio"] == r["ours_us"] / r["sdpa_us"], r
+        assert r["rel_err_vs_sdpa"] < 1e-5, r  # float32: the same attention as SDPA's
+    gpt = saved["char_gpt"]
+    assert gpt["config"]["generated_tokens"] == 6
+    assert set(gpt["tokens_per_s"]) == {"ours cached", "ours recompute", "torch recompute"}
+    assert all(tps > 0 for tps in gpt["tokens_per_s"].values()), gpt
+    # cached decoding on attn_ext picks the tokens torch.nn.MultiheadAttention picks recomputing
+    assert all(gpt["same_tokens"].values()), gpt
+    assert "ours/sdpa" in out and "tokens/s" in out and "NO" not in out
+
+
+def test_bench_decode_targets_are_issue_13s_shapes(tmp_path):
+    import json
+
+    json_path = tmp_path / "targets.json"
+    rc, out, err = _run("bench", "--decode", "--targets", "--no-model", "--rounds", "1", "--json", str(json_path),
+                        timeout=900)
+    assert rc == 0, out[-2000:] + err[-2000:]
+    steps = json.loads(json_path.read_text())["steps"]
+    assert [(r["B"], r["Hq"], r["Hkv"], r["S"], r["E"]) for r in steps] == [
+        (1, 8, 8, 4000, 64), (4, 8, 8, 1024, 64), (1, 8, 8, 32768, 64), (1, 4, 4, 100, 32), (1, 1, 1, 32768, 128)]
+    for r in steps:
+        assert r["target"] is not None and f"<= {r['target']}: " in out, r
+        assert r["rel_err_vs_sdpa"] < 1e-5, r
 
 
 # The saved GPU runs: file, the card, how many cases (2 dtypes x 2 head dims x causal or

@@ -4,4 +4,6 @@ common   timing (torch.utils.benchmark, interleaved rounds), peak memory, FLOP c
 sdpa     attn_ext.scaled_dot_product_attention vs torch SDPA vs the plain softmax(QK^T)V, with plots
 variants each attention variant (window, softcap, alibi, sinks, varlen) vs the ways to get it
          without it (``python -m attn_ext bench --variant NAME``)
+decode   decoding steps vs torch SDPA over cache lengths, and the char GPT's tokens/s with a
+         KVCache vs torch.nn.MultiheadAttention (``python -m attn_ext bench --decode``)
 """

@@ -383,7 +383,8 @@ def parse_args(argv=None, prog=None):
         "Shapes: BxHxLxE[xS<keys>][:causal], comma separated, e.g. "
         "'4x8x1024x64:causal,1x8x4096x64'.\nDefault: " + DEFAULT_SHAPES
         + "\nThe attention variants (window, softcap, alibi, sinks, varlen): "
-          "python -m attn_ext bench --variant NAME --help", QUICK_L_DIV)
+          "python -m attn_ext bench --variant NAME --help\nDecoding steps and the char GPT's tokens/s: "
+          "python -m attn_ext bench --decode --help", QUICK_L_DIV)
     p.add_argument("--no-plain", action="store_true", help="skip the plain softmax(QK^T)V")
     p.add_argument("--plot", metavar="PATH", help="draw GFLOP/s against L to this PNG (matplotlib)")
     p.add_argument("--impl-under-test", choices=("auto", "attn_ext", "torch"), default="auto",

@@ -97,6 +97,7 @@ inline bool cpu_has_amx_bf16() {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,f16c")
 #endif
+#include "lane_sums.h"
 
 namespace attn_ext {
 namespace cpu {
@@ -391,12 +392,9 @@ inline void dot_rows_bf16(float* S, int64_t lds, const uint16_t* Q, int64_t ldq,
     float* s = S + r * lds;
     int64_t j = 0;
     for (; j + 16 <= N; j += 16) {
-      __m512i part[16];
-      for (int i = 0; i < 16; ++i) part[i] = _mm512_castps_si512(dot_parts_bf16(q, X + (j + i) * ldx, K));
-      detail::transpose16x16_epi32(part);  // part[i] word t: key j + t's partial sum i
-      __m512 sum = _mm512_castsi512_ps(part[0]);
-      for (int i = 1; i < 16; ++i) sum = _mm512_add_ps(sum, _mm512_castsi512_ps(part[i]));
-      _mm512_storeu_ps(s + j, sum);
+      __m512 part[16];
+      for (int i = 0; i < 16; ++i) part[i] = dot_parts_bf16(q, X + (j + i) * ldx, K);
+      _mm512_storeu_ps(s + j, lane_sums16(part));
     }
     for (; j < N; ++j) s[j] = _mm512_reduce_add_ps(dot_parts_bf16(q, X + j * ldx, K));
   }

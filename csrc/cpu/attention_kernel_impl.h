@@ -43,6 +43,9 @@
 
 #include "../attention_math.h"
 #include "kernels.h"
+#if defined(CPU_CAPABILITY_AVX512)
+#include "lane_sums.h"
+#endif
 
 #ifndef ATTN_EXT_KERNEL_NS
 #define ATTN_EXT_KERNEL_NS CPU_CAPABILITY
@@ -534,10 +537,10 @@ inline T dot_product(const T* a, const T* b, int64_t n) {
 constexpr int64_t kDirectRows = 2;
 
 // Lane t of the result is the sum of the lanes of parts[t] (VS vectors in):
-// the dot products of VS keys at once. An add tree that transposes as it goes
-// takes about three instructions per key where a horizontal sum each takes
-// eight or so, on a dependency chain (decoding's Q K^T: a third of a step's
-// time before). Elsewhere (DEFAULT, float64) a horizontal sum each.
+// the dot products of VS keys at once (lane_sums.h: an add tree, about three
+// instructions per key where a horizontal sum each takes eight or so, on a
+// dependency chain; decoding's Q K^T was a third of a step's time before).
+// Elsewhere (DEFAULT, float64) a horizontal sum each.
 template <typename T>
 inline Vectorized<T> lane_sums(const Vectorized<T>* parts) {
   constexpr int64_t VS = Vectorized<T>::size();
@@ -548,20 +551,9 @@ inline Vectorized<T> lane_sums(const Vectorized<T>* parts) {
 #if defined(CPU_CAPABILITY_AVX512)
 template <>
 inline Vectorized<float> lane_sums<float>(const Vectorized<float>* parts) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) {  // each 128-bit lane: partial sums of keys (2i, 2i + 1, 2i, 2i + 1)
-    const __m512 a = parts[2 * i], b = parts[2 * i + 1];
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {  // each 128-bit lane: partial sums of keys 4i .. 4i + 3
-    const __m512d c = _mm512_castps_pd(pairs[2 * i]), d = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(c, d)), _mm512_castpd_ps(_mm512_unpackhi_pd(c, d)));
-  }
-  // lanes (0, 2) + (1, 3) of two quads, twice: lane l ends with keys 4l .. 4l + 3, whole
-  auto halve = [](__m512 x, __m512 y) {
-    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-  };
-  return halve(halve(quads[0], quads[1]), halve(quads[2], quads[3]));
+  __m512 v[16];
+  for (int t = 0; t < 16; ++t) v[t] = parts[t];
+  return lane_sums16(v);
 }
 #elif defined(CPU_CAPABILITY_AVX2)
 template <>

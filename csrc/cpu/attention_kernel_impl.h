@@ -984,6 +984,21 @@ void forward_driver(const AttnParams& p) {
       store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot + r * ldo, Ev, o_mul[r]);
   };
 
+  // Task t is query block qb of head h of batch b, kv-head-major: the query
+  // heads that share a key/value head are consecutive tasks (qb fastest, then
+  // the head within its group, then the batch), so a thread reads a kv head's
+  // keys and values (and packs its panels) once for the whole group while they
+  // are in its cache; and a thread's share is whole kv heads of every
+  // sequence, so packed sequences of different lengths split evenly.
+  struct Task {
+    int64_t b, h, qb;
+  };
+  auto task_of = [&](int64_t t) {
+    const int64_t qb = t % n_qblocks, g = (t / n_qblocks) % group;
+    const int64_t b = (t / (n_qblocks * group)) % B, hk = t / (n_qblocks * group * B);
+    return Task{b, hk * group + g, qb};
+  };
+
   // A call of a few tens of thousands of multiply-adds (a small decoding step)
   // runs on the calling thread: waking the pool would cost more than the work.
   const int64_t macs = B * Hq * p.L * std::max<int64_t>(p.S, 1) * (p.E + p.Ev);
@@ -1002,13 +1017,9 @@ void forward_driver(const AttnParams& p) {
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
 
-    // Head-major: a thread's share is whole heads of every sequence, so packed
-    // sequences of different lengths split evenly between threads.
     for (int64_t item = begin; item < end; ++item) {
       const int64_t task = item / splits, split = item % splits;
-      const int64_t qb = task % n_qblocks;
-      const int64_t b = (task / n_qblocks) % B;
-      const int64_t h = task / (n_qblocks * B);
+      const auto [b, h, qb] = task_of(task);
       const AttnParams& ps = views.of(b);
       const int64_t i0 = qb * q_block;
       if (i0 >= ps.L) continue;  // past a shorter sequence's end
@@ -1101,9 +1112,7 @@ void forward_driver(const AttnParams& p) {
     T row_m[kMaxQTile];
     T row_l[kMaxQTile];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % n_qblocks;
-      const int64_t b = (task / n_qblocks) % B;
-      const int64_t h = task / (n_qblocks * B);
+      const auto [b, h, qb] = task_of(task);
       const int64_t i0 = qb * q_block;
       if (i0 >= p.L) continue;
       const int64_t m = std::min(q_block, p.L - i0);

@@ -102,10 +102,11 @@ def test_multi_tile_probs_match_reference(device):
     assert rel_err(got, want) < TOL
 
 
-# Query blocks of one or two rows (decoding) read each key row in place instead of packing
-# K^T: every dtype, contiguous or strided keys, over several key tiles (S = 600), with the
-# mask, bottom-right causal bound and GQA of a cached decoding step.
-@pytest.mark.parametrize("L", [1, 2, 3])
+# Query blocks of a few rows (decoding: up to 4 on at::vec, 8 with bfloat16 on the amx
+# variant) read each key row in place instead of packing K^T: every dtype, contiguous or
+# strided keys, over several key tiles (S = 600), with the mask, bottom-right causal bound
+# and GQA of a cached decoding step; on either side of each limit.
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 9])
 @pytest.mark.parametrize("layout", ["contiguous", "strided_last"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
                          ids=["float64", "float32", "bfloat16", "float16"])
@@ -131,7 +132,7 @@ def test_decode_rows_match_reference(L, layout, dtype, device):
 # vector's width at a time (16 or 8) plus a tail, head dims likewise, and value columns 8 or
 # 4 vectors per pass, keys in pairs plus an odd one: head dims and key counts on either side
 # of each.
-@pytest.mark.parametrize("L", [1, 2])
+@pytest.mark.parametrize("L", [1, 2, 4, 8])
 @pytest.mark.parametrize("E,Ev,S", [(24, 16, 7), (64, 64, 33), (128, 128, 1), (256, 200, 45), (96, 40, 16),
                                     (64, 144, 40)],
                          ids=lambda x: str(x))

@@ -160,7 +160,9 @@ def test_bench_decode_times_steps_and_the_char_gpt(tmp_path):
     assert sorted((r["Hkv"], r["S"]) for r in steps) == [(2, 40), (2, 300), (8, 40), (8, 300)]
     for r in steps:
         assert r["B"] == 2 and r["Hq"] == 8 and r["E"] == 64 and r["target"] is None, r
-        assert r["ours_us"] > 0 and r["sdpa_us"] > 0 and r["ratio"] == r["ours_us"] / r["sdpa_us"], r
+        assert r["ours_us"] > 0 and r["sdpa_us"] > 0, r
+        # the table prints each step: its cache length, both times and their ratio
+        assert any(f"{r['S']}  64" in line and f"{r['ratio']:.2f}" in line for line in out.splitlines()), r
         assert r["rel_err_vs_sdpa"] < 1e-5, r  # float32: the same attention as SDPA's
     gpt = saved["char_gpt"]
     assert gpt["config"]["generated_tokens"] == 6

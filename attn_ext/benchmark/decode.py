@@ -85,9 +85,7 @@ def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rou
     fns = {"ours": lambda: attn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
     # short rounds (5 calls at the largest caches, ~200 at the smallest), alternating: both
-    # implementations see the same state of the machine. Much longer rounds (hundreds of
-    # calls of one implementation in a row) measured SDPA's bfloat16 steps 10-25 % faster
-    # and ours about the same.
+    # implementations see the same state of the machine
     calls = max(5, int(2e5 // (B * Hkv * S * E // 64 + 1000)))
     best = best_per_call(fns, rounds, calls)
     err = common.rel_err(fns["ours"]().double(), fns["sdpa"]().double())
@@ -189,7 +187,9 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     p.add_argument("--targets", action="store_true", help="time issue 13's five target shapes instead of the grid")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; each figure is the best (default 7)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(N)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads(N); on the README's Xeon that call alone slows SDPA's own "
+                        "steps (docs/performance.md), so the default makes none")
     p.add_argument("--tokens", type=int, default=96, help="tokens the char GPT generates (default 96)")
     p.add_argument("--no-model", action="store_true", help="skip the char GPT's tokens/s")
     p.add_argument("--json", metavar="PATH", help="write every result to PATH")

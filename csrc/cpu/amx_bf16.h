@@ -370,7 +370,7 @@ inline void copy_rows_bf16(uint16_t* dst, int64_t ldd, const uint16_t* src, int6
 
 // S[r][j] = sum_k Q[r][k] X[j][k] for r < M, j < N. Q: M rows, row stride ldq, zero in columns K..Kp
 // (Kp = K rounded up to 32); X: N rows of K bf16, row stride ldx; S: fp32, row stride lds.
-// Sixteen keys at a time: their 16 partial-sum vectors are transposed and added (no horizontal sums).
+// Sixteen keys at a time: their 16 partial-sum vectors summed by lane_sums16 (no horizontal sums).
 namespace detail {
 
 // The 16 partial sums of the dot product of a zero-padded row q (Kp = K rounded up to 32) and a row x of K.

@@ -272,8 +272,9 @@ bool amx_suits(const AttnBwdParams& p) {
 // Decoding steps (up to kDotRows rows per query block: a grouped-query step's
 // group as rows, a few speculative tokens) read keys and values in place; the
 // explicit-probabilities op keeps avx512's path. Measured on the Xeon (1 x 8
-// heads x 4000 keys): 8 rows in place 1.7 ms against 5.2 on the tiles (which
-// pack every key and value into VNNI panels for a few rows).
+// heads x 4000 keys): 8 rows in place 1.7 ms against 5.2 on avx512's kernels
+// (which convert every key and value row to float32 and pack it for a few
+// rows; the tiles take 16 rows and more, amx_suits).
 constexpr int64_t kDotRows = 8;
 bool dots_suit(const AttnParams& p) {
   return p.dtype == DType::BFloat16 && p.L <= kDotRows && p.E > 0 && p.v != nullptr && p.probs == nullptr &&

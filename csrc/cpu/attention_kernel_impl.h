@@ -515,23 +515,6 @@ inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs,
     for (int64_t j = n; j < ld; ++j) dst[d * ld + j] = T(0);
 }
 
-// sum_e a[e] * b[e].
-template <typename T>
-inline T dot_product(const T* a, const T* b, int64_t n) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t VS = Vec::size();
-  Vec acc0(T(0)), acc1(T(0));
-  int64_t e = 0;
-  for (; e + 2 * VS <= n; e += 2 * VS) {
-    acc0 = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc0);
-    acc1 = at::vec::fmadd(Vec::loadu(a + e + VS), Vec::loadu(b + e + VS), acc1);
-  }
-  for (; e + VS <= n; e += VS) acc0 = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc0);
-  T sum = hsum(acc0 + acc1);
-  for (; e < n; ++e) sum += a[e] * b[e];
-  return sum;
-}
-
 // Query blocks of up to kDirectRows rows (decoding: L = 1; a grouped-query
 // step's group as rows) read each key row in place: packing K^T for the
 // micro-kernel would cost more than such a product. Measured on the Xeon
@@ -578,6 +561,12 @@ inline Vectorized<T> dot_parts(const T* a, const T* b, int64_t n) {
   for (; e + VS <= n; e += VS) acc = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc);
   if (e < n) acc = at::vec::fmadd(Vec::loadu(a + e, n - e), Vec::loadu(b + e, n - e), acc);
   return acc;
+}
+
+// sum_e a[e] * b[e].
+template <typename T>
+inline T dot_product(const T* a, const T* b, int64_t n) {
+  return hsum(dot_parts(a, b, n));
 }
 
 // O[r] += sum_j P[r][j] V[j] for a decoding step's rows, V's rows read in place

@@ -7,8 +7,10 @@ Public API:
     MultiHeadAttention             drop-in for torch.nn.MultiheadAttention (+ num_kv_heads, KVCache)
     KVCache                        keys/values of past tokens for incremental decoding
     convert_attention              swap every torch.nn.MultiheadAttention in a model for ours
+    distributed                    context parallelism: ring_attention, shard, unshard over torch.distributed
 """
 
+from . import distributed
 from ._build import version as _version
 from .modules import KVCache, MultiHeadAttention, convert_attention
 from .ops import attention_probs, scaled_dot_product_attention, varlen_attention

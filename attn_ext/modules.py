@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.init import constant_, xavier_normal_, xavier_uniform_
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
+from .distributed import _check_layout, ring_attention
 from .masks import _fmt, mha_mask
 from .ops import _window_sides, attention_and_probs, scaled_dot_product_attention, varlen_attention
 
@@ -142,6 +143,16 @@ class MultiHeadAttention(nn.Module):
       is ``(w - 1, 0)``), a tanh softcap on the scores (Gemma 2), and with
       ``sinks=True`` a learned sink logit per head (gpt-oss), the parameter
       ``sinks`` (num_heads,), initialised to 0.
+    * ``context_parallel_group`` / ``context_parallel_layout`` (keyword-only,
+      also attributes to set later, or set on a whole model by
+      :func:`attn_ext.distributed.enable_context_parallel`): context
+      parallelism. Each rank of the process group passes its shard of the
+      sequence (cut by :func:`attn_ext.distributed.shard` in the layout
+      given, ``"contiguous"`` or ``"zigzag"``) and gets its shard of the
+      output; the attention runs through
+      :func:`attn_ext.distributed.ring_attention`. Takes no masks but
+      ``is_causal``, no weights, no cache, no dropout while training and no
+      variants.
     * ``cache`` (keyword-only, forward): a :class:`KVCache` for incremental decoding.
     * ``cu_seqlens`` (keyword-only, forward): packed sequences. query, key and
       value are ``(total, E)`` (``(total, kdim)``, ``(total, vdim)``): sequence b
@@ -175,6 +186,9 @@ class MultiHeadAttention(nn.Module):
             (``None`` on a side: unbounded); default no window.
         softcap: scores become ``softcap * tanh(score / softcap)``; default none.
         sinks: learn one sink logit per head (a ``sinks`` parameter).
+        context_parallel_group: a ``torch.distributed`` process group (``None``: off)
+            whose ranks each hold a shard of every sequence.
+        context_parallel_layout: ``"contiguous"`` or ``"zigzag"``: how the sequence is sharded.
 
     Shape:
         query ``(L, N, E)``, ``(N, L, E)`` with ``batch_first`` or ``(L, E)``;
@@ -194,7 +208,8 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, embed_dim, num_heads, dropout=0.0, bias=True, add_bias_kv=False, add_zero_attn=False,
                  kdim=None, vdim=None, batch_first=False, device=None, dtype=None, *, num_kv_heads=None,
-                 window=None, softcap=None, sinks=False):
+                 window=None, softcap=None, sinks=False, context_parallel_group=None,
+                 context_parallel_layout="contiguous"):
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be > 0, got embed_dim={embed_dim} and "
                              f"num_heads={num_heads}")
@@ -208,6 +223,7 @@ class MultiHeadAttention(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout}")
         _window_sides(window)  # checks it
+        _check_layout(context_parallel_layout)
         if window is not None and (add_bias_kv or add_zero_attn):
             raise ValueError(f"window={window!r} cannot be combined with add_bias_kv or add_zero_attn: the "
                              f"appended key sits at the end of the keys, outside most queries' windows")
@@ -256,6 +272,8 @@ class MultiHeadAttention(nn.Module):
         else:
             self.register_parameter("sinks", None)
         self._reset_parameters()
+        self.context_parallel_group = context_parallel_group
+        self.context_parallel_layout = context_parallel_layout
         self.register_forward_pre_hook(_keep_torch_fast_paths_off)
 
     def _reset_parameters(self):
@@ -290,6 +308,8 @@ class MultiHeadAttention(nn.Module):
         extras = "".join(f", {name}={value!r}" for name, value in
                          (("window", self.window), ("softcap", self.softcap)) if value is not None)
         extras += ", sinks=True" if self.sinks is not None else ""
+        if self.context_parallel_group is not None:
+            extras += f", context_parallel_layout={self.context_parallel_layout!r}"
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}{kv}, dropout={self.dropout}, "
                 f"batch_first={self.batch_first}{extras}")
 
@@ -321,6 +341,8 @@ class MultiHeadAttention(nn.Module):
             ``(attn_output, attn_weights)``; ``attn_weights`` is None unless ``need_weights``.
         """
         same_qk, same_kv = query is key, key is value
+        if self.context_parallel_group is not None:
+            self._check_context_parallel(key_padding_mask, need_weights, attn_mask, cache, cu_seqlens)
         if cu_seqlens is not None:
             return self._forward_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
                                         cache, cu_seqlens, same_qk, same_kv)
@@ -370,7 +392,10 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         kwargs = dict(attn_mask=mask, dropout_p=dropout_p, is_causal=use_causal_flag, enable_gqa=Hkv != H,
                       causal_alignment=causal_alignment, **self._variants())
-        if need_weights:
+        if self.context_parallel_group is not None:
+            out, weights = ring_attention(q, k, v, group=self.context_parallel_group, is_causal=bool(is_causal),
+                                          enable_gqa=Hkv != H, layout=self.context_parallel_layout), None
+        elif need_weights:
             out, weights = attention_and_probs(q, k, v, **kwargs)
         else:
             out, weights = scaled_dot_product_attention(q, k, v, **kwargs), None
@@ -409,6 +434,22 @@ class MultiHeadAttention(nn.Module):
                                cu_seqlens, cu_seqlens, dropout_p=self.dropout if self.training else 0.0,
                                is_causal=bool(is_causal), **self._variants())
         return F.linear(out.flatten(-2), self.out_proj.weight, self.out_proj.bias), None
+
+    def _check_context_parallel(self, key_padding_mask=None, need_weights=False, attn_mask=None, cache=None,
+                                cu_seqlens=None):
+        """What context parallelism cannot take, refused by name."""
+        _check_layout(self.context_parallel_layout)
+        refused = [name for name, given in (
+            ("key_padding_mask", key_padding_mask is not None), ("attn_mask", attn_mask is not None),
+            ("need_weights=True", bool(need_weights)), ("cache", cache is not None),
+            ("cu_seqlens", cu_seqlens is not None), ("add_bias_kv", self.bias_k is not None),
+            ("add_zero_attn", self.add_zero_attn), ("window", self.window is not None),
+            ("softcap", self.softcap is not None), ("sinks", self.sinks is not None),
+            (f"dropout={self.dropout} in training mode", self.training and self.dropout > 0))
+            if given]
+        if refused:
+            raise ValueError(f"context parallelism (context_parallel_group set) takes no {', '.join(refused)}: "
+                             f"only is_causal, without weights (pass need_weights=False)")
 
     def _in_projection(self, query, key, value, same_qk, same_kv):
         """q (N, L, embed_dim), k (N, S, kv_dim), v (N, S, kv_dim): one matmul for self-attention."""

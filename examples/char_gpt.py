@@ -58,12 +58,13 @@ class GPTConfig:
     dropout: float = 0.1  # on the embeddings and on each block's attention and MLP outputs
 
 
-def sinusoidal_encoding(start, length, dim, device=None):
-    """The (length, dim) encodings of positions start, ..., start + length - 1:
+def sinusoidal_encoding(positions, dim):
+    """The (len(positions), dim) encodings of the positions (a 1-D tensor):
     ``PE[p, 2i] = sin(p / 10000^(2i/dim))``, ``PE[p, 2i+1] = cos(p / 10000^(2i/dim))``."""
-    pos = torch.arange(start, start + length, dtype=torch.float32, device=device)[:, None]
+    device = positions.device
+    pos = positions.to(torch.float32)[:, None]
     inv_freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32, device=device) * (-math.log(10000.0) / dim))
-    pe = torch.empty(length, dim, device=device)
+    pe = torch.empty(len(positions), dim, device=device)
     pe[:, 0::2] = torch.sin(pos * inv_freq)
     pe[:, 1::2] = torch.cos(pos * inv_freq)
     return pe
@@ -108,7 +109,7 @@ class CharGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size)
 
-    def forward(self, idx, caches=None, need_weights=False):
+    def forward(self, idx, caches=None, need_weights=False, positions=None):
         """Next-character logits for the token ids ``idx`` (N, L).
 
         Args:
@@ -116,16 +117,20 @@ class CharGPT(nn.Module):
                 ``idx`` continues the cached tokens: its positions start at
                 ``len(caches[0])``, and the caches grow by L.
             need_weights: also return each layer's attention weights, per head.
+            positions: the tokens' positions (L,), when they are not 0, 1, ...
+                (a shard of the sequence under context parallelism).
 
         Returns:
             ``(logits, weights)``: logits (N, L, vocab_size); weights a list of
             (N, n_heads, L, S) tensors, one per layer, or None.
         """
-        start = len(caches[0]) if caches is not None else 0
-        if start + idx.shape[1] > self.cfg.context:
-            raise ValueError(f"positions {start}..{start + idx.shape[1] - 1} are beyond the model's context of "
+        if positions is None:
+            start = len(caches[0]) if caches is not None else 0
+            positions = torch.arange(start, start + idx.shape[1], device=idx.device)
+        if len(positions) and positions.max() >= self.cfg.context:
+            raise ValueError(f"positions up to {positions.max().item()} are beyond the model's context of "
                              f"{self.cfg.context} characters")
-        pos = sinusoidal_encoding(start, idx.shape[1], self.cfg.d_model, idx.device)
+        pos = sinusoidal_encoding(positions, self.cfg.d_model)
         x = self.drop(self.embed(idx) + pos)
         all_weights = []
         for i, block in enumerate(self.blocks):

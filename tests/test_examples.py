@@ -143,3 +143,23 @@ def test_hf_llama_sonnets_trains_on_attn_ext_and_agrees_with_sdpa():
     assert ours < math.log(n_chars)  # learnt something: below the uniform guess
     assert math.isclose(ours, theirs, rel_tol=1e-5)
     assert sample.startswith("Shall I") and len(sample) == len("Shall I") + 40 and sample in out
+
+
+def test_char_gpt_context_parallel_matches_one_process():
+    """examples/char_gpt_context_parallel.py: the same seed gives the same loss curve in one
+    process and with every sequence split over 2 processes (torchrun, gloo), both layouts."""
+    tiny = ["--steps", "4", "--log-every", "1", "--context", "48", "--d-model", "32", "--layers", "2",
+            "--batch-size", "4"]
+    script = str(EXAMPLES / "char_gpt_context_parallel.py")
+
+    def losses(cmd):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return [float(x) for x in re.findall(r"train loss ([0-9.]+)", proc.stdout)]
+
+    one = losses([sys.executable, script, *tiny])
+    assert len(one) == 4 and one[-1] < one[0]
+    for layout in ("zigzag", "contiguous"):
+        two = losses([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                      script, *tiny, "--layout", layout])
+        assert two == pytest.approx(one, rel=1e-5), (layout, two, one)

@@ -288,3 +288,22 @@ def test_dtype_mismatch():
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(ValueError, match="same dtype"):
         ring_attention(q, q.double(), q)
+
+
+def test_bench_ring_prints_every_row():
+    """benchmarks/bench_ring.py at a tiny size: one row per (mask, layout, pass), the ring's
+    output equal to the one-process output, and a ratio for each."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_ring.py"
+    proc = subprocess.run([sys.executable, str(script), "--seq", "64", "--heads", "2", "--dim", "16", "--rounds", "1",
+                           "--no-memory"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| (full|causal) ", line)]
+    assert len(rows) == 6, proc.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[5]) > 0 and float(cells[7]) < 1e-5, row

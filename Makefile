@@ -4,29 +4,45 @@
 #
 #   make demo    build, run a gradcheck + reference pass, then a short benchmark against SDPA
 #   make test    build, run the test suite
+#   make test-oldest   the CPU suite against the oldest torch attn_ext supports (OLDEST_TORCH_SPEC),
+#                in its own virtual environment and a copy of the tracked files (CPU-only build)
+#   make ci      what CI runs (.ci/run): make test, then make test-oldest
 #   make bench   the full CPU benchmark (the README's table)
 #   make gpu     on a machine with an NVIDIA GPU and torch already installed (no
 #                registry needed): build in place with CUDA, run the test suite on
 #                CUDA plus compute-sanitizer, then the GPU benchmark against SDPA
 #
-# ATTN_EXT_CPU_ONLY=1 skips the CUDA sources; MAX_JOBS and TORCH_CUDA_ARCH_LIST are honoured.
+# ATTN_EXT_CPU_ONLY=1 skips the CUDA sources, FORCE_CUDA=1 builds them without a GPU;
+# MAX_JOBS and TORCH_CUDA_ARCH_LIST are honoured.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.14.1
 TRANSFORMERS_SPEC ?= transformers==5.24.0
 PY := $(VENV)/bin/python
+# The oldest torch attn_ext supports: the lent GPU machines' version.
+OLDEST_TORCH_SPEC ?= torch==2.11.0
+OLDEST_VENV ?= .venv-oldest
+OLDEST_TREE ?= build-oldest
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: build demo test bench gpu clean
+.PHONY: build demo test test-oldest ci bench gpu clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel tqdm matplotlib $(TRANSFORMERS_SPEC)
 	touch $@
 
+# build: what PyTorch's conventions say (CUDA kernels where torch sees a GPU; setup.py).
+# make test also compiles the CUDA kernels wherever nvcc is (FORCE_CUDA=1), so that CI
+# compiles them on every run, GPU or not.
+NVCC := $(shell command -v nvcc 2>/dev/null)
 $(VENV)/.built: $(VENV)/.deps $(SOURCES)
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	touch $@
+
+$(VENV)/.built-test: $(VENV)/.deps $(SOURCES)
+	$(if $(NVCC),FORCE_CUDA=1) $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	touch $@
 
 build: $(VENV)/.built
@@ -35,8 +51,25 @@ demo: build
 	$(PY) -m attn_ext check
 	$(PY) benchmarks/bench_cpu.py --quick
 
-test: build
+test: $(VENV)/.built-test
+	$(PY) -m attn_ext info
 	$(PY) -m pytest tests
+
+$(OLDEST_VENV)/.deps:
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install -q --disable-pip-version-check $(OLDEST_TORCH_SPEC) numpy pytest ninja setuptools wheel
+	touch $@
+
+# A copy of the tracked files, so that its in-place build (against the other torch) never
+# meets this tree's build/ or attn_ext/_C*.so.
+test-oldest: $(OLDEST_VENV)/.deps
+	rm -rf $(OLDEST_TREE) && mkdir -p $(OLDEST_TREE)
+	git ls-files -z | xargs -0 cp --parents -t $(OLDEST_TREE)
+	cd $(OLDEST_TREE) && ATTN_EXT_CPU_ONLY=1 $(CURDIR)/$(OLDEST_VENV)/bin/python setup.py -q build_ext --inplace
+	cd $(OLDEST_TREE) && $(CURDIR)/$(OLDEST_VENV)/bin/python -m attn_ext info
+	cd $(OLDEST_TREE) && $(CURDIR)/$(OLDEST_VENV)/bin/python -m pytest tests -q
+
+ci: test test-oldest
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py --dtype float32,bfloat16
@@ -47,4 +80,4 @@ gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_gpu.py --markdown --json benchmarks/results/gpu.json
 
 clean:
-	rm -rf build attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built
+	rm -rf build attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built $(VENV)/.built-test $(OLDEST_TREE)

@@ -1,11 +1,15 @@
 """Build attn_ext's compiled library, attn_ext._C.
 
-CPU sources are always built. The CUDA sources are added when torch is a CUDA
-build, nvcc is found and csrc/cuda/ holds kernels.
+CPU sources are always built. The CUDA sources are added, as in torchvision and
+other PyTorch extensions, when torch sees a GPU or when asked (FORCE_CUDA=1, or
+a TORCH_CUDA_ARCH_LIST), provided torch is a CUDA build and nvcc is found. A
+machine without a GPU then skips minutes of nvcc unless told otherwise;
+FORCE_CUDA=1 without a usable toolkit is an error.
 
 Environment switches:
   ATTN_EXT_CPU_ONLY=1     build the CPU kernels only (fast iteration)
-  TORCH_CUDA_ARCH_LIST    CUDA archs to build for (default "8.0;9.0")
+  FORCE_CUDA=1            build the CUDA kernels even where torch sees no GPU (CI does)
+  TORCH_CUDA_ARCH_LIST    CUDA archs to build for (default "8.0;9.0"); setting it also asks for them
   MAX_JOBS                parallel compile jobs (honoured by torch's ninja build)
   CUDA_HOME               the CUDA toolkit; found from nvcc itself when unset
 """
@@ -75,13 +79,29 @@ if not X86:  # only the portable variant elsewhere
     cpu_sources = [s for s in cpu_sources if not any(s.endswith(f"_{isa}.cpp") for isa in ISA_FLAGS)]
     ISA_FLAGS = {}
 cuda_sources = sorted(glob.glob("csrc/cuda/*.cu") + glob.glob("csrc/cuda/*.cpp"))
-with_cuda = (
-    not CPU_ONLY
-    and torch.version.cuda is not None
-    and cpp_extension.CUDA_HOME is not None
-    and os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc"))
-    and bool(cuda_sources)
-)
+
+
+def _cuda_decision():
+    """(build the CUDA kernels?, why not: a phrase for `python -m attn_ext info`, without ';' or '"')."""
+    force = os.environ.get("FORCE_CUDA", "0") not in ("", "0")
+    asked = force or bool(os.environ.get("TORCH_CUDA_ARCH_LIST"))
+    if CPU_ONLY:
+        return False, "ATTN_EXT_CPU_ONLY was set"
+    if not (asked or torch.cuda.is_available()):
+        return False, "torch sees no GPU here (FORCE_CUDA=1 builds them anyway)"
+    missing = None
+    if torch.version.cuda is None:
+        missing = f"torch {torch.__version__} is a CPU-only build"
+    elif cpp_extension.CUDA_HOME is None or not os.path.exists(os.path.join(cpp_extension.CUDA_HOME, "bin", "nvcc")):
+        missing = "no CUDA toolkit (nvcc) was found: put nvcc on PATH or set CUDA_HOME"
+    elif not cuda_sources:
+        missing = "csrc/cuda holds no sources"
+    if missing and force:
+        raise SystemExit(f"attn_ext: FORCE_CUDA=1 asks for the CUDA kernels, but {missing}")
+    return (False, missing) if missing else (True, "")
+
+
+with_cuda, cuda_skipped = _cuda_decision()
 arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0") if with_cuda else ""
 if with_cuda:
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
@@ -96,7 +116,8 @@ build_info = ";".join(
 )
 # The Python side reads what the build was made for without loading the library.
 with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
-    f.write(f'"""Written by setup.py: what attn_ext._C was built against."""\nBUILD_INFO = "{build_info}"\n')
+    f.write(f'"""Written by setup.py: what attn_ext._C was built against."""\n'
+            f'BUILD_INFO = "{build_info};cuda_skipped={cuda_skipped}"\n')
 
 # -fopenmp: at::parallel_for is inline and runs serially without it. The
 # library then needs libgomp.so.1, which is the one torch ships and has loaded.

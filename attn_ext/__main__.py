@@ -54,7 +54,7 @@ def _cuda_kernel_lines(built):
     """One line per CUDA kernel family: usable on this machine's GPU, or why not."""
     archs = built.get("cuda_archs", "none")
     if built.get("cuda", "none") == "none":
-        why = "not built (torch was CPU-only, nvcc was not found, or ATTN_EXT_CPU_ONLY=1)"
+        why = "not built: " + built.get("cuda_skipped", "torch was CPU-only, nvcc was not found, or ATTN_EXT_CPU_ONLY=1")
         return [f"generic  {why}", f"tensor   {why}"]
     if not torch.cuda.is_available():
         why = f"not usable here: built for sm {archs}, but no CUDA device is visible"

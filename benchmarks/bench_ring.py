@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # an in-place build; an installed one wins
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # an in-place build; an installed one wins
 import attn_ext  # noqa: E402
 from attn_ext.benchmark import common  # noqa: E402
 from attn_ext.distributed import ring_attention, shard  # noqa: E402

@@ -34,7 +34,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .ops import _lse_dtype, _split_batch
+from .ops import _lse_dtype, _scale, _split_batch
 
 __all__ = ["ring_attention", "shard", "unshard", "enable_context_parallel"]
 
@@ -392,7 +392,7 @@ def ring_attention(query, key, value, *, group=None, is_causal=False, scale=None
         raise ValueError(f"layout='zigzag' shards hold two equal chunks: their lengths must be even, got query "
                          f"{Lq} and key {Lk}")
     E = query.shape[-1]
-    scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+    scale = _scale(scale, E)
     q, batch = _split_batch(query, has_heads)
     k, _ = _split_batch(key, has_heads)
     v, _ = _split_batch(value, has_heads)

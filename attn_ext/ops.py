@@ -50,6 +50,11 @@ def _lse_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _scale(scale, E):
+    """The scores' scale: the one given, else 1/sqrt(E) (SDPA's default; 1 for E = 0)."""
+    return float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+
+
 # The variants' arguments, at the end of every op's argument list (see csrc/ops.cpp):
 # window_left, window_right, softcap, alibi_slopes, sinks.
 _N_VARIANT_ARGS = 5
@@ -301,7 +306,7 @@ class _Call:
         self.v = None if value is None else _split_batch(value, self.has_head_dim)[0]
         L, E, S = self.q.shape[-2], self.q.shape[-1], self.k.shape[-2]
         self.mask = sdpa_mask(attn_mask, batch_shape, self.q.shape[1], L, S, self.has_head_dim)
-        self.scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+        self.scale = _scale(scale, E)
         self.causal_offset = S - L if causal_alignment == "bottom_right" else 0
         self.dropout_p = float(dropout_p)
         self.is_causal = bool(is_causal)
@@ -359,7 +364,7 @@ def _plain_op_args(query, key, value, attn_mask, dropout_p, is_causal, scale, en
     if not (Bk == B and value.shape[0] == B and (Hq == Hkv or (enable_gqa and Hkv > 0 and Hq % Hkv == 0))):
         return None
     mask = None if attn_mask is None else sdpa_mask(attn_mask, (B,), Hq, L, S, True)
-    scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+    scale = _scale(scale, E)
     seed = None
     if dropout_p > 0:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=query.device)
@@ -558,7 +563,7 @@ def varlen_attention(query, key, value, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     if max_seqlen_k is None:
         max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max()) if cu_seqlens_k.numel() > 1 else 0
     E = query.shape[-1]
-    scale = float(scale) if scale is not None else (1.0 / math.sqrt(E) if E > 0 else 1.0)
+    scale = _scale(scale, E)
     batch = (max(cu_seqlens_q.numel() - 1, 0),)
     variants = _variant_args(window, softcap, alibi_slopes, sinks, batch, query.shape[1])
     dropout_seed = None

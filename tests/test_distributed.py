@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from helpers import ERR_FACTOR, FLOOR, assert_close_by_rule, rel_err, torch_sdpa
+from helpers import ERR_FACTOR, FLOOR, assert_close_by_rule, grads, rel_err, torch_sdpa
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
@@ -67,11 +67,10 @@ def _full_inputs(B, Hq, Hkv, L, E, Ev, seed, three_d=False):
 
 
 def _grads(out, lse, inputs, grad_out, grad_lse):
-    outputs, grads = [out], [grad_out]
-    if grad_lse is not None:
-        outputs.append(lse)
-        grads.append(grad_lse)
-    return torch.autograd.grad(outputs, inputs, grads)
+    """The inputs' gradients for grad_out on out and, when given, grad_lse on lse."""
+    if grad_lse is None:
+        return grads(out, inputs, grad_out)
+    return grads([out, lse], inputs, [grad_out, grad_lse])
 
 
 def _check_case(dtype, layout, is_causal, Hq, Hkv, L, E=16, Ev=16, B=2, seed=0, with_lse=False, three_d=False,

@@ -6,14 +6,18 @@
 #   make test    build, run the test suite
 #   make test-oldest   the CPU suite against the oldest torch attn_ext supports (OLDEST_TORCH_SPEC),
 #                in its own virtual environment and a copy of the tracked files (CPU-only build)
-#   make ci      what CI runs (.ci/run): make test, then make test-oldest
+#   make wheel   an sdist, then a wheel built from it (python -m build), into dist/: one
+#                abi3 wheel for CPython >= 3.10, for the torch in .venv
+#   make wheel-check   that wheel installed in a fresh virtual environment (WHEEL_VENV) with
+#                TORCH_SPEC, outside the source tree: python -m attn_ext info, then check
+#   make ci      what CI runs (.ci/run): make test, make test-oldest, make wheel-check
 #   make bench   the full CPU benchmark (the README's table)
 #   make gpu     on a machine with an NVIDIA GPU and torch already installed (no
 #                registry needed): build in place with CUDA, run the test suite on
 #                CUDA plus compute-sanitizer, then the GPU benchmark against SDPA
 #
 # ATTN_EXT_CPU_ONLY=1 skips the CUDA sources, FORCE_CUDA=1 builds them without a GPU;
-# MAX_JOBS and TORCH_CUDA_ARCH_LIST are honoured.
+# MAX_JOBS and TORCH_CUDA_ARCH_LIST are honoured; ATTN_EXT_DEBUG_INFO=1 keeps -g.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -24,13 +28,14 @@ PY := $(VENV)/bin/python
 OLDEST_TORCH_SPEC ?= torch==2.11.0
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TREE ?= build-oldest
+WHEEL_VENV ?= .venv-wheel
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: build demo test test-oldest ci bench gpu clean
+.PHONY: build demo test test-oldest wheel wheel-check ci bench gpu clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel tqdm matplotlib $(TRANSFORMERS_SPEC)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel build tqdm matplotlib $(TRANSFORMERS_SPEC)
 	touch $@
 
 # build: what PyTorch's conventions say (CUDA kernels where torch sees a GPU; setup.py).
@@ -69,7 +74,20 @@ test-oldest: $(OLDEST_VENV)/.deps
 	cd $(OLDEST_TREE) && $(CURDIR)/$(OLDEST_VENV)/bin/python -m attn_ext info
 	cd $(OLDEST_TREE) && $(CURDIR)/$(OLDEST_VENV)/bin/python -m pytest tests -q
 
-ci: test test-oldest
+# The sdist carries csrc/ (MANIFEST.in); python -m build builds the wheel from the unpacked
+# sdist, so a file missing from the sdist fails here. --no-isolation: against .venv's torch.
+wheel: $(VENV)/.deps
+	rm -rf dist
+	$(PY) -m build --no-isolation --outdir dist .
+
+# Run from outside the tree, so that Python imports the installed package, not ./attn_ext.
+wheel-check: wheel
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH_SPEC) dist/attn_ext-*.whl
+	cd $(WHEEL_VENV) && bin/python -m attn_ext info && bin/python -m attn_ext check
+
+ci: test test-oldest wheel-check
 
 bench: build
 	$(PY) benchmarks/bench_cpu.py --dtype float32,bfloat16
@@ -80,4 +98,4 @@ gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_gpu.py --markdown --json benchmarks/results/gpu.json
 
 clean:
-	rm -rf build attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built $(VENV)/.built-test $(OLDEST_TREE)
+	rm -rf build dist attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built $(VENV)/.built-test $(OLDEST_TREE) $(WHEEL_VENV)

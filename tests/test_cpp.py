@@ -1,10 +1,13 @@
-"""The C++ library (CMakeLists.txt) and its C++ test, built against LibTorch and run through ctest.
+"""The C++ library (CMakeLists.txt) and its C++ tests, built against LibTorch, run through
+ctest, installed, and used by a program that finds it with find_package(attn_ext).
 
-scripts/cmake_build.sh configures with torch.utils.cmake_prefix_path, builds
+scripts/cmake_build.sh runs the README's cmake lines as written (with a CUDA build of
+torch, CMakeLists.txt finds the toolkit and builds the CUDA kernels too): it builds
 libattn_ext and tests/cpp/test_attention.cpp (which calls the operators through
-the dispatcher and checks them against plain ATen math) and, on x86-64,
-tests/cpp/test_amx_bf16.cpp (the AMX tile primitives), then runs ctest. The
-build directory is build/cmake-pytest, kept between runs (incremental).
+<attn_ext/attn_ext.h> and checks them against plain ATen math) and, on x86-64,
+tests/cpp/test_amx_bf16.cpp (the AMX tile primitives), runs ctest, installs the
+library, then builds and runs examples/cpp against the installed package. The build
+directory is build/cmake-pytest, kept between runs (incremental).
 """
 
 import os
@@ -26,5 +29,6 @@ def test_cmake_library_builds_and_ctest_passes():
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"cmake build or ctest failed:\n{log[-4000:]}"
     assert "100% tests passed" in log, log[-2000:]
+    assert "rel err vs ATen math" in log, log[-2000:]  # examples/cpp ran against the installed package
     if os.uname().machine in ("x86_64", "AMD64"):
         assert "test_amx_bf16" in log, log[-2000:]  # the AMX tile primitives ran (or said why not)

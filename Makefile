@@ -35,7 +35,7 @@ SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest ninja setuptools wheel build tqdm matplotlib $(TRANSFORMERS_SPEC)
+	$(PY) -m pip install -q --disable-pip-version-check $(TORCH_SPEC) numpy pytest hypothesis ninja setuptools wheel build tqdm matplotlib $(TRANSFORMERS_SPEC)
 	touch $@
 
 # build: what PyTorch's conventions say (CUDA kernels where torch sees a GPU; setup.py).
@@ -62,7 +62,7 @@ test: $(VENV)/.built-test
 
 $(OLDEST_VENV)/.deps:
 	$(PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install -q --disable-pip-version-check $(OLDEST_TORCH_SPEC) numpy pytest ninja setuptools wheel
+	$(OLDEST_VENV)/bin/python -m pip install -q --disable-pip-version-check $(OLDEST_TORCH_SPEC) numpy pytest hypothesis ninja setuptools wheel
 	touch $@
 
 # A copy of the tracked files, so that its in-place build (against the other torch) never

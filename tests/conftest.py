@@ -5,8 +5,20 @@ The kernel tests (KERNEL_TESTS) run on the CPU once per compiled CPU kernel vari
 skipped with the reason. The other tests run the variant attn_ext picks by itself.
 """
 
+import os
+
 import pytest
 import torch
+
+try:  # the property-based tests' budgets (tests/test_fuzz.py); hypothesis is a test dependency
+    from hypothesis import HealthCheck, settings
+
+    _FUZZ = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile("ci", max_examples=1_000, **_FUZZ)  # about 30 s on 2 cores
+    settings.register_profile("long", max_examples=150_000, **_FUZZ)  # about an hour
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:
+    pass
 
 KERNEL_TESTS = {"test_sdpa_forward", "test_sdpa_backward", "test_tiling", "test_dropout", "test_probs",
                 "test_reference", "test_variants", "test_varlen"}

@@ -15,14 +15,16 @@ void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
 }
 
 // The float32/float64 buffer the kernel accumulates the mask's gradient in.
-// Tasks are (batch, key/value head) pairs; they hit the same mask element
-// when the mask broadcasts over a dim they are split on, and then each thread
-// accumulates into a copy of its own. sum_grad_mask_copies() sums the copies.
+// Tasks are (batch, key/value head) pairs, and for few pairs also chunks of
+// their keys (backward_key_chunks); they hit the same mask element when the
+// mask broadcasts over a dim they are split on (batch, key/value head, or
+// keys), and then each thread accumulates into a copy of its own.
+// sum_grad_mask_copies() sums the copies.
 at::Tensor grad_mask_buffer(AttnBwdParams& p, const at::Tensor& attn_mask, at::ScalarType acc) {
   TORCH_CHECK(p.mask_kind == MaskKind::Additive, "attn_ext: compute_grad_mask needs a float attn_mask");
   std::vector<int64_t> shape(4 - attn_mask.dim(), 1);  // the mask's sizes, padded to 4-D
   for (int64_t size : attn_mask.sizes()) shape.push_back(size);
-  const bool shared = (p.B > 1 && shape[0] == 1) || (p.Hkv > 1 && shape[1] == 1);
+  const bool shared = (p.B > 1 && shape[0] == 1) || (p.Hkv > 1 && shape[1] == 1) || (p.S > 1 && shape[3] == 1);
   shape.insert(shape.begin(), shared ? at::get_num_threads() : 1);
   at::Tensor buffer = at::zeros(shape, attn_mask.options().dtype(acc));
   copy_strides(p.dmask_stride, buffer[0].expand({p.B, p.Hq, p.L, p.S}));

@@ -10,6 +10,9 @@
 #                abi3 wheel for CPython >= 3.10, for the torch in .venv
 #   make wheel-check   that wheel installed in a fresh virtual environment (WHEEL_VENV) with
 #                TORCH_SPEC, outside the source tree: python -m attn_ext info, then check
+#   make sanitize   the CPU kernels built with AddressSanitizer + UndefinedBehaviorSanitizer
+#                (ATTN_EXT_SANITIZE=1) in a copy of the tracked files (SANITIZE_TREE), and
+#                the CPU suite run under them (libasan preloaded); any report fails it
 #   make ci      what CI runs (.ci/run): make test, make test-oldest, make wheel-check
 #   make bench   the full CPU benchmark (the README's table)
 #   make gpu     on a machine with an NVIDIA GPU and torch already installed (no
@@ -29,9 +32,15 @@ OLDEST_TORCH_SPEC ?= torch==2.11.0
 OLDEST_VENV ?= .venv-oldest
 OLDEST_TREE ?= build-oldest
 WHEEL_VENV ?= .venv-wheel
+SANITIZE_TREE ?= build-sanitize
+# The suite under the sanitizers, less the tests that start compilers (CMake, torch.compile's
+# inductor) or other processes (the command line, torchrun, the examples).
+SANITIZE_PYTEST ?= tests -q -x -k "not cuda" --ignore=tests/test_cpp.py --ignore=tests/test_build.py \
+	--ignore=tests/test_compile.py --ignore=tests/test_cli.py --ignore=tests/test_distributed.py \
+	--ignore=tests/test_examples.py
 SOURCES := setup.py pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: build demo test test-oldest wheel wheel-check ci bench gpu clean
+.PHONY: build demo test test-oldest wheel wheel-check sanitize ci bench gpu clean
 
 $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
@@ -87,6 +96,19 @@ wheel-check: wheel
 	$(WHEEL_VENV)/bin/python -m pip install -q --disable-pip-version-check $(TORCH_SPEC) dist/attn_ext-*.whl
 	cd $(WHEEL_VENV) && bin/python -m attn_ext info && bin/python -m attn_ext check
 
+# Python itself is not instrumented: libasan (and libubsan) are preloaded, leaks are not
+# checked (the interpreter's own are reported at exit), and torch's operator new/delete
+# pairs across libraries are not flagged.
+sanitize: $(VENV)/.deps
+	rm -rf $(SANITIZE_TREE) && mkdir -p $(SANITIZE_TREE)
+	git ls-files -z | xargs -0 cp --parents -t $(SANITIZE_TREE)
+	cd $(SANITIZE_TREE) && ATTN_EXT_CPU_ONLY=1 ATTN_EXT_SANITIZE=1 $(CURDIR)/$(PY) setup.py -q build_ext --inplace
+	cd $(SANITIZE_TREE) && \
+	  LD_PRELOAD="$$($(CXX) -print-file-name=libasan.so) $$($(CXX) -print-file-name=libubsan.so)" \
+	  ASAN_OPTIONS=detect_leaks=0:alloc_dealloc_mismatch=0:abort_on_error=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  $(CURDIR)/$(PY) -m pytest $(SANITIZE_PYTEST)
+
 ci: test test-oldest wheel-check
 
 bench: build
@@ -98,4 +120,4 @@ gpu:
 	PYTHONPATH=$(CURDIR) $(PYTHON) benchmarks/bench_gpu.py --markdown --json benchmarks/results/gpu.json
 
 clean:
-	rm -rf build dist attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built $(VENV)/.built-test $(OLDEST_TREE) $(WHEEL_VENV)
+	rm -rf build dist attn_ext/_C*.so attn_ext/_build_info.py *.egg-info $(VENV)/.built $(VENV)/.built-test $(OLDEST_TREE) $(WHEEL_VENV) $(SANITIZE_TREE)

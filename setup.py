@@ -13,6 +13,8 @@ Environment switches:
   MAX_JOBS                parallel compile jobs (honoured by torch's ninja build)
   ATTN_EXT_DEBUG_INFO=1   keep debug info (-g); by default -g0 overrides the -g of Python's CFLAGS,
                           which costs 40% of the C++ compile time and most of the library's size
+  ATTN_EXT_SANITIZE=1     the C++ sources with AddressSanitizer + UndefinedBehaviorSanitizer (-O1 -g;
+                          `make sanitize`: Python then needs libasan preloaded)
   CUDA_HOME               the CUDA toolkit; found from nvcc itself when unset
 """
 
@@ -108,6 +110,7 @@ arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0;9.0") if with_cuda else 
 if with_cuda:
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch_list
 
+SANITIZE = os.environ.get("ATTN_EXT_SANITIZE", "0") not in ("", "0")
 build_info = ";".join(
     [
         f"version={VERSION}",
@@ -115,6 +118,7 @@ build_info = ";".join(
         f"cuda={torch.version.cuda if with_cuda else 'none'}",
         f"cuda_archs={arch_list.replace(';', ' ') or 'none'}",
     ]
+    + (["sanitize=address undefined"] if SANITIZE else [])
 )
 # The Python side reads what the build was made for without loading the library.
 with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
@@ -126,6 +130,10 @@ with open(os.path.join(ROOT, "attn_ext", "_build_info.py"), "w") as f:
 DEBUG_INFO = os.environ.get("ATTN_EXT_DEBUG_INFO", "0") not in ("", "0")
 cxx_flags = ["-O3", "-g" if DEBUG_INFO else "-g0", "-fopenmp", "-fvisibility=hidden",
              f'-DATTN_EXT_BUILD_INFO="{build_info}"']
+# Every report stops the process (no recovery), so that a test run cannot pass over one.
+SANITIZER_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+if SANITIZE:
+    cxx_flags = ["-O1", "-g"] + SANITIZER_FLAGS + cxx_flags[2:]
 extra_compile_args = {"cxx": cxx_flags}
 include_dirs = [os.path.join(ROOT, "csrc")]
 define_macros = []
@@ -152,7 +160,7 @@ def _libstdcxx_link_args():
     return []
 
 
-link_args = ["-fopenmp"] + _libstdcxx_link_args()
+link_args = ["-fopenmp"] + (SANITIZER_FLAGS if SANITIZE else []) + _libstdcxx_link_args()
 
 if with_cuda:
     extra_compile_args["nvcc"] = ["-O3", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr"]

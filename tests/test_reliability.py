@@ -1,0 +1,181 @@
+"""What long training runs and servers meet and the shape-by-shape tests do not: memory
+that grows per call, Python threads calling the ops at once, results that change from
+run to run, NaN/inf inputs, and tensors whose element offsets pass 2**31 (CPU)."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from attn_ext.reference import attention_reference
+
+from helpers import attn_ext_module, rel_err
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _qkv(seed, B=2, H=4, L=48, S=40, E=24, dtype=torch.float32, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, H, n, E, generator=gen, dtype=dtype).requires_grad_(requires_grad) for n in (L, S, S)]
+
+
+def _fwd_bwd(attn_ext, q, k, v, mask=None, **kw):
+    out = attn_ext.scaled_dot_product_attention(q, k, v, mask, **kw)
+    return (out, *torch.autograd.grad(out, [t for t in (q, k, v, mask) if t is not None and t.requires_grad],
+                                      torch.ones_like(out)))
+
+
+def _sanitized():
+    from attn_ext import _build
+
+    return "sanitize" in _build.library_info()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the RSS from /proc")
+def test_rss_is_flat_over_20k_forward_backward_calls_with_errors_between():
+    """< 1 MB of RSS growth over 20 000 forward+backward calls, every 10th call followed
+    by a call that raises (a bad shape), after 2 000 calls of warm-up."""
+    if _sanitized():
+        pytest.skip("under AddressSanitizer freed memory waits in its quarantine: RSS grows by design")
+    attn_ext = attn_ext_module()
+    q, k, v = _qkv(0, B=1, H=2, L=32, S=32, E=16)
+    mask = torch.randn(1, 1, 32, 32, requires_grad=True)
+    bad = torch.randn(1, 2, 32, 15)  # key with another head dim
+
+    def calls(n):
+        for i in range(n):
+            _fwd_bwd(attn_ext, q, k, v, mask, is_causal=i % 2 == 0)
+            if i % 10 == 0:
+                with pytest.raises((RuntimeError, ValueError)):
+                    attn_ext.scaled_dot_product_attention(q, bad, v)
+
+    calls(2_000)
+    before = _rss_bytes()
+    calls(20_000)
+    growth = _rss_bytes() - before
+    assert growth < 1 << 20, f"RSS grew by {growth / 2**20:.2f} MB over 20 000 calls"
+
+
+def test_python_threads_calling_at_once_give_the_serial_results():
+    """8 Python threads, each with its own tensors and config, 5 rounds each: every result
+    is bitwise the one the same call gives alone (the kernels keep no state between calls)."""
+    attn_ext = attn_ext_module()
+    configs = [dict(is_causal=bool(i % 2), window=(8, 0) if i % 3 == 0 else None,
+                    softcap=20.0 if i % 4 == 1 else None) for i in range(8)]
+    inputs = [_qkv(100 + i, dtype=torch.float32 if i % 2 else torch.bfloat16) for i in range(8)]
+    serial = [_fwd_bwd(attn_ext, *inputs[i], **configs[i]) for i in range(8)]
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            for round_ in range(5):
+                results[(i, round_)] = _fwd_bwd(attn_ext, *inputs[i], **configs[i])
+        except Exception as e:  # noqa: BLE001 - reported below, with the thread
+            errors.append((i, e))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for (i, round_), got in results.items():
+        for name, g, want in zip(("out", "grad query", "grad key", "grad value"), got, serial[i]):
+            assert torch.equal(g, want), f"thread {i}, round {round_}: {name} differs from the serial call"
+
+
+def test_results_are_bitwise_reproducible_at_each_thread_count():
+    attn_ext = attn_ext_module()
+    q, k, v = _qkv(7, B=1, H=1, L=200, S=300, E=32)  # one (batch, head): the keys split over threads
+    mask = torch.randn(1, 1, 200, 1, requires_grad=True)  # broadcast over keys: per-thread gradient copies
+    threads = torch.get_num_threads()
+    try:
+        runs = {}
+        for n in sorted({1, 2, threads}):
+            torch.set_num_threads(n)
+            first = _fwd_bwd(attn_ext, q, k, v, mask, is_causal=True)
+            again = _fwd_bwd(attn_ext, q, k, v, mask, is_causal=True)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b), f"{n} threads: two identical calls differ"
+            runs[n] = first
+    finally:
+        torch.set_num_threads(threads)
+    ref = attention_reference(q, k, v, mask, is_causal=True)[0]
+    for n, (out, *grads) in runs.items():  # another thread count sums in another order: close, not equal
+        assert rel_err(out, ref) < 1e-5, f"{n} threads"
+        for g, g1 in zip(grads, runs[1][1:]):
+            assert rel_err(g, g1) < 1e-5, f"{n} threads vs 1"
+
+
+@pytest.mark.parametrize("where", ["query", "key", "value", "mask_nan", "mask_pos_inf"])
+def test_nan_and_inf_propagate_as_in_sdpa_math(where):
+    """A NaN in query/key/value, or a NaN or +inf in an additive mask, gives NaN exactly
+    where SDPA's math gives it (causal: a NaN key reaches the rows that see it; a NaN value
+    reaches its column in every row, as 0 * NaN does in SDPA's product), the other entries
+    are the math's, and nothing crashes. (The float64 reference differs here: it treats a
+    row whose scores are NaN as a row without keys.)"""
+    attn_ext = attn_ext_module()
+    q, k, v = _qkv(3, B=1, H=2, L=12, S=12, E=8, requires_grad=False)
+    mask = None
+    if where == "query":
+        q[0, 1, 4, 2] = float("nan")
+    elif where == "key":
+        k[0, 0, 5, 0] = float("nan")
+    elif where == "value":
+        v[0, 1, 5, 3] = float("nan")
+    else:  # at (7, 3), a position the causal rule leaves visible
+        mask = torch.randn(1, 1, 12, 12, generator=torch.Generator().manual_seed(4))
+        mask[0, 0, 7, 3] = float("nan") if where == "mask_nan" else float("inf")
+    out = attn_ext.scaled_dot_product_attention(q, k, v, mask, is_causal=True)
+    # SDPA's math, with hidden keys left out (torch.where) rather than sent to -inf by
+    # addition: NaN + -inf is NaN, so adding a causal mask would spread a NaN key to the
+    # rows that cannot see it (SDPA's explicit-mask path does; its is_causal path does not).
+    q64, k64, v64 = (t.to(torch.float64) for t in (q, k, v))
+    scores = q64 @ k64.transpose(-2, -1) / 8**0.5 + (0 if mask is None else mask.to(torch.float64))
+    hidden = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    want = torch.softmax(torch.where(hidden, float("-inf"), scores), dim=-1) @ v64
+    assert torch.equal(torch.isnan(out), torch.isnan(want)), f"NaN pattern differs from the math's for {where}"
+    assert torch.isnan(out).any(), "nothing became NaN"
+    finite = ~torch.isnan(want)
+    assert rel_err(out[finite], want[finite]) < 1e-5, "the other entries differ from the math's"
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@pytest.mark.skipif(_mem_available() < 12 << 30, reason="needs 12 GiB of free memory")
+def test_element_offsets_past_2_31_forward():
+    """query (1, 1, L, 64) bfloat16 with L * 64 = 2**31 + 2**20 elements (4 GiB, and as much
+    for the output): the rows past element 2**31 come out as the reference gives them.
+    (The backward at this size needs float32 dQ accumulators of 8 GiB per thread.)"""
+    attn_ext = attn_ext_module()
+    E, S = 64, 16
+    L = (2**31 + 2**20) // E
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1, 1, S, E, generator=gen).to(torch.bfloat16)
+    v = torch.randn(1, 1, S, E, generator=gen).to(torch.bfloat16)
+    # q's rows repeat a block of 4096 random rows (row r is block[r % 4096]): the reference
+    # needs the block only.
+    block = torch.randn(1, 1, 4096, E, generator=gen).to(torch.bfloat16)
+    q = torch.empty(1, 1, L, E, dtype=torch.bfloat16)
+    full = L // 4096 * 4096
+    q[0, 0, :full].view(-1, 4096, E).copy_(block[0, 0].expand(full // 4096, 4096, E))
+    q[0, 0, full:] = block[0, 0, : L - full]
+    out = attn_ext.scaled_dot_product_attention(q, k, v)
+    ref, _ = attention_reference(block, k, v)
+    rows = torch.arange(L - 4096, L)  # all past element 2**31
+    assert (rows[0] * E).item() > 2**31
+    assert rel_err(out[0, 0, L - 4096:], ref[0, 0, rows % 4096]) < 1e-2
+    assert rel_err(out[0, 0, :4096], ref[0, 0]) < 1e-2

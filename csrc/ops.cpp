@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include <ATen/ATen.h>
+#include <c10/util/safe_numerics.h>
 #include <torch/library.h>
 
 
@@ -44,6 +45,21 @@ DType to_dtype(at::ScalarType t) {
 
 void check_4d(const at::Tensor& t, const char* name, const char* dims) {
   TORCH_CHECK(t.dim() == 4, "attn_ext: ", name, " must be 4-D ", dims, ", got shape ", shape_str(t.sizes()));
+}
+
+// The kernels count work and index in 64-bit integers, and the largest
+// product they form is B Hq L S (E + Ev), the forward's multiply-adds (L and S
+// the longest sequences when packed). Inputs expanded with stride 0 can have
+// sizes past that without the memory; they raise here instead of overflowing.
+void check_indexable(const AttnParams& p, const at::Tensor& query, const at::Tensor& key) {
+  const int64_t factors[5] = {p.B, p.Hq, p.L, p.S, p.E + p.Ev};
+  int64_t product = 1;
+  bool overflows = false;
+  for (int64_t f : factors) overflows = c10::mul_overflows(product, std::max<int64_t>(f, 1), &product) || overflows;
+  TORCH_CHECK_VALUE(!overflows, "attn_ext: B * Hq * L * S * ", p.Ev > 0 ? "(E + Ev)" : "E", " = ", p.B, " * ", p.Hq,
+                    " * ", p.L, " * ", p.S, " * ", p.E + p.Ev,
+                    " is past 2**63 - 1, which the kernels cannot index; got query ", shape_str(query.sizes()),
+                    " and key ", shape_str(key.sizes()));
 }
 
 }  // namespace
@@ -142,6 +158,7 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const at:
   p.Ev = value.size(3);
   p.v = value.data_ptr();
   copy_strides(p.v_stride, value);
+  check_indexable(p, query, key);
   return p;
 }
 
@@ -179,6 +196,7 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std
   p.scale = scale;
   p.dropout_p = dropout_p;
   set_lse_strides(p);
+  check_indexable(p, query, key);  // Ev = 0 here; the overload with a value checks again with it
 
   if (attn_mask.has_value()) {
     const at::Tensor& mask = *attn_mask;
@@ -340,6 +358,7 @@ AttnParams make_varlen_params(const at::Tensor& query, const at::Tensor& key, co
   p.dropout_p = dropout_p;
   set_lse_strides(p);
   check_dropout_seed(dropout_p, dropout_seed, query);
+  check_indexable(p, query, key);
   return p;
 }
 

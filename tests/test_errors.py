@@ -124,3 +124,26 @@ def test_cuda_names_bad_cu_seqlens():
         attn_ext.varlen_attention(q, k, v, cu, torch.tensor([0, 4, 8], device="cuda"), 5, 5)
     with pytest.raises(ERRORS, match="max_seqlen_q must be at least"):
         attn_ext.varlen_attention(q, k, v, cu, cu, 4, 5)
+
+
+def test_sizes_past_64_bit_indexing_raise(device):
+    """Keys expanded with stride 0 to 2**55 rows take no memory, but B Hq L S (E + Ev)
+    is past 2**63: every op raises a ValueError naming the sizes instead of running
+    with overflowed offsets."""
+    import attn_ext
+
+    S = 2**55
+    q = _t((2, 4, 17, 16), device)
+    k, v = (_t((2, 4, 1, 16), device).expand(2, 4, S, 16) for _ in range(2))
+    pattern = error_pattern("key", S)
+    with pytest.raises(ValueError, match=pattern):
+        sdpa(q, k, v)
+    with pytest.raises(ValueError, match=pattern):
+        attn_ext.attention_probs(q, k)
+    qp = _t((17, 4, 16), device)
+    kp, vp = (_t((1, 4, 16), device).expand(S, 4, 16) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, 17], device=device), torch.tensor([0, S], device=device)
+    with pytest.raises(ValueError, match=pattern):
+        attn_ext.varlen_attention(qp, kp, vp, cu_q, cu_k, 17, S)
+    # Inside the limit the checks pass: an empty query with 2**50 keys has nothing to compute.
+    assert attn_ext.scaled_dot_product_attention(q[:, :, :0], k[:, :, :2**50], v[:, :, :2**50]).shape[2] == 0

@@ -111,6 +111,93 @@ def test_results_are_bitwise_reproducible_at_each_thread_count():
             assert rel_err(g, g1) < 1e-5, f"{n} threads vs 1"
 
 
+def _cpu_ticks_per_thread():
+    """user + system clock ticks of each thread of this process, from /proc."""
+    ticks = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        ticks[tid] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2,
+                    reason="counts each thread's CPU time in /proc; needs 2 cores")
+def test_set_num_threads_sets_the_threads_the_kernels_run_on():
+    """After torch.set_num_threads(n) the forward and backward run on n threads: with 1,
+    one thread of the process does the work; with 2, two threads share it."""
+    attn_ext = attn_ext_module()
+    q, k, v = _qkv(11, B=1, H=8, L=1024, S=1024, E=64)
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 1, 2):
+            torch.set_num_threads(n)
+            _fwd_bwd(attn_ext, q, k, v)  # warm-up; OpenMP's idle workers stop spinning
+            before = _cpu_ticks_per_thread()
+            for _ in range(8):
+                _fwd_bwd(attn_ext, q, k, v)
+            after = _cpu_ticks_per_thread()
+            busiest = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
+            assert busiest[0] >= 20, f"too short to measure: {busiest[:3]} ticks"
+            if n == 1:
+                assert busiest[1] <= 0.1 * busiest[0], f"1 thread set, but the busiest threads took {busiest[:3]} ticks"
+            else:
+                assert busiest[1] >= 0.3 * busiest[0], f"2 threads set, but the busiest took {busiest[:3]} ticks"
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_set_num_threads_in_another_thread_does_not_disturb_a_running_call():
+    """torch.set_num_threads is per thread once a thread has run a parallel op (PyTorch's
+    OpenMP rule); one thread switching between 1 and 2 while another runs the backward
+    whose mask gradient has a copy per thread leaves that one's results bitwise the same."""
+    attn_ext = attn_ext_module()
+    q, k, v = _qkv(12, B=1, H=1, L=200, S=300, E=32)
+    mask = torch.randn(1, 1, 200, 1, requires_grad=True)
+    threads = torch.get_num_threads()
+    serial = _fwd_bwd(attn_ext, q, k, v, mask)
+    ready, stop, errors, results = threading.Event(), threading.Event(), [], []
+
+    def switcher():
+        try:
+            other = _qkv(13, B=1, H=1, L=64, S=64, E=16)
+            while not stop.is_set():
+                for n in (1, 2):
+                    torch.set_num_threads(n)
+                    _fwd_bwd(attn_ext, *other)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def caller():
+        try:
+            torch.set_num_threads(threads)  # before the switcher starts: a new thread takes the last value set
+            ready.set()
+            for _ in range(100):
+                results.append(_fwd_bwd(attn_ext, q, k, v, mask))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            stop.set()
+
+    workers = [threading.Thread(target=caller), threading.Thread(target=switcher)]
+    try:
+        workers[0].start()
+        ready.wait(timeout=60)
+        workers[1].start()
+        for t in workers:
+            t.join()
+    finally:
+        torch.set_num_threads(threads)  # also the value new threads take
+    assert not errors, errors
+    assert len(results) == 100
+    for r, got in enumerate(results):
+        for name, g, want in zip(("out", "grad query", "grad key", "grad value", "grad mask"), got, serial):
+            assert torch.equal(g, want), f"call {r}: {name} differs from the serial call"
+
+
 @pytest.mark.parametrize("where", ["query", "key", "value", "mask_nan", "mask_pos_inf"])
 def test_nan_and_inf_propagate_as_in_sdpa_math(where):
     """A NaN in query/key/value, or a NaN or +inf in an additive mask, gives NaN exactly
@@ -159,7 +246,8 @@ def _mem_available():
 def test_element_offsets_past_2_31_forward():
     """query (1, 1, L, 64) bfloat16 with L * 64 = 2**31 + 2**20 elements (4 GiB, and as much
     for the output): the rows past element 2**31 come out as the reference gives them.
-    (The backward at this size needs float32 dQ accumulators of 8 GiB per thread.)"""
+    (The backward at this length would add float32 dQ sums of 8 GiB: the backward tests
+    below cross 2**31 in the keys, and in the query's heads.)"""
     attn_ext = attn_ext_module()
     E, S = 64, 16
     L = (2**31 + 2**20) // E
@@ -179,3 +267,74 @@ def test_element_offsets_past_2_31_forward():
     assert (rows[0] * E).item() > 2**31
     assert rel_err(out[0, 0, L - 4096:], ref[0, 0, rows % 4096]) < 1e-2
     assert rel_err(out[0, 0, :4096], ref[0, 0]) < 1e-2
+
+
+def _repeat_rows(block, n, out_rows):
+    """A (1, H, out_rows, D) tensor whose row r is block's row r % len(block), for
+    out_rows = n * len(block), written block by block (no float64 copy of the whole)."""
+    H, rows, D = block.shape[1], block.shape[2], block.shape[3]
+    assert out_rows == n * rows
+    out = torch.empty(1, H, out_rows, D, dtype=block.dtype)
+    out[0].view(H, n, rows, D).copy_(block[0].unsqueeze(1).expand(H, n, rows, D))
+    return out
+
+
+@pytest.mark.skipif(_mem_available() < 14 << 30, reason="needs 14 GiB of free memory")
+def test_element_offsets_past_2_31_backward_keys():
+    """key (1, 1, S, 64) bfloat16 with S * 64 = 2**31 + 2**20 elements (4 GiB, and as much for
+    its gradient). Keys and values repeat a block of 4096 rows n times, so every probability
+    is the block's / n: the output and dQ are the block's, dK and dV the block's / n, also
+    in the rows past element 2**31."""
+    attn_ext = attn_ext_module()
+    E, Ev, L, rows = 64, 8, 4, 4096
+    S = (2**31 + 2**20) // E
+    n = S // rows
+    gen = torch.Generator().manual_seed(1)
+    q, k_block, v_block, grad_out = (torch.randn(1, 1, m, d, generator=gen).to(torch.bfloat16)
+                                     for m, d in ((L, E), (rows, E), (rows, Ev), (L, Ev)))
+    k, v = _repeat_rows(k_block, n, S).requires_grad_(), _repeat_rows(v_block, n, S).requires_grad_()
+    q.requires_grad_()
+    out = attn_ext.scaled_dot_product_attention(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    del k, v
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k_block, v_block)]
+    ref, _ = attention_reference(*ref_in)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, ref_in, grad_out.double())
+    assert (S - rows) * E > 2**31  # the last block: past element 2**31
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(dq, ref_dq) < 1e-2
+    for first in (0, S - rows):
+        assert rel_err(dk[:, :, first:first + rows].double() * n, ref_dk) < 1e-2, f"dK rows {first}.."
+        assert rel_err(dv[:, :, first:first + rows].double() * n, ref_dv) < 1e-2, f"dV rows {first}.."
+
+
+@pytest.mark.skipif(_mem_available() < 16 << 30, reason="needs 16 GiB of free memory")
+def test_element_offsets_past_2_31_backward_query_heads():
+    """query (1, 8, L, 64) bfloat16 with 8 * L * 64 = 2**31 + 2**20 elements (4 GiB, and as
+    much for dQ; float32 dQ sums of 1 GiB a thread, one head at a time): the last head's
+    last rows lie past element 2**31. Every head's query rows repeat one block of 2048
+    rows, with 16 keys and values alike in every head, so out and dQ are the block's and
+    dK, dV n times the block's."""
+    attn_ext = attn_ext_module()
+    H, E, Ev, S, rows = 8, 64, 8, 16, 2048
+    L = (2**31 + 2**20) // (H * E)
+    n = L // rows
+    gen = torch.Generator().manual_seed(2)
+    q_block, k1, v1, go_block = (torch.randn(1, 1, m, d, generator=gen).to(torch.bfloat16)
+                                 for m, d in ((rows, E), (S, E), (S, Ev), (rows, Ev)))
+    q = _repeat_rows(q_block.expand(1, H, rows, E), n, L).requires_grad_()
+    k, v = k1.expand(1, H, S, E).contiguous().requires_grad_(), v1.expand(1, H, S, Ev).contiguous().requires_grad_()
+    out = attn_ext.scaled_dot_product_attention(q, k, v)
+    grad_out = _repeat_rows(go_block.expand(1, H, rows, Ev), n, L)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), grad_out)
+    del q, grad_out
+    ref_in = [t.double().requires_grad_() for t in (q_block, k1, v1)]
+    ref, _ = attention_reference(*ref_in)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad(ref, ref_in, go_block.double())
+    assert ((H - 1) * L + L - rows) * E > 2**31  # the last head's last block: past element 2**31
+    for h in (0, H - 1):
+        for first in (0, L - rows):
+            assert rel_err(out[:, h:h + 1, first:first + rows], ref) < 1e-2, f"out head {h} rows {first}.."
+            assert rel_err(dq[:, h:h + 1, first:first + rows], ref_dq) < 1e-2, f"dQ head {h} rows {first}.."
+        assert rel_err(dk[:, h:h + 1].double() / n, ref_dk) < 1e-2, f"dK head {h}"
+        assert rel_err(dv[:, h:h + 1].double() / n, ref_dv) < 1e-2, f"dV head {h}"

@@ -399,6 +399,17 @@ const char* tensor_core_unsupported(const AttnParams& params, int sm_major, int 
   if (params.Ev != params.E)
     return say("value head dim %lld differs from query head dim %lld", static_cast<long long>(params.Ev),
                static_cast<long long>(params.E));
+  // These kernels count rows and tiles in 32 bits; their grids put tiles on x
+  // (< 2**31), (batch, head) on y and z (< 2**16 each), and the backward's row
+  // pass B Hq L / 8 blocks on x (up to 32 lanes a row, 256 a block). Sizes past
+  // that (reachable with inputs expanded with stride 0) run on the generic
+  // kernels, which count in 64 bits.
+  const int64_t kInt32Max = (int64_t{1} << 31) - 1;
+  if (params.L > kInt32Max || params.S > kInt32Max || params.B * params.Hq > int64_t{65535} * 65535 ||
+      params.B * params.Hq * params.L > (int64_t{1} << 33))
+    return say("B %lld, Hq %lld, L %lld, S %lld is past the tensor-core kernels' 32-bit row and tile counts",
+               static_cast<long long>(params.B), static_cast<long long>(params.Hq), static_cast<long long>(params.L),
+               static_cast<long long>(params.S));
   int fwd_smem = 0, bwd_smem = 0;
   const bool has_kernel = tc::dispatch_head_dim(params.E, [&](auto head_dim) {
     fwd_smem = tc::FwdTraits<decltype(head_dim)::value>::kSmemBytes;

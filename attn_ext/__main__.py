@@ -89,6 +89,13 @@ def _info(args):
     print("  CUDA kernels")
     for line in _cuda_kernel_lines(built):
         print(f"    {line}")
+    deterministic = "on" if torch.are_deterministic_algorithms_enabled() else "off"
+    print("  determinism")
+    print("    CPU      the same call gives the same bits at a fixed thread count (another count sums in another order)")
+    print("    CUDA     the forward always; the backward under torch.use_deterministic_algorithms(True) "
+          f"({deterministic} now),")
+    print("             which runs the generic kernels (no dQ atomics) and a full-size buffer for a broadcast mask's")
+    print("             gradient; otherwise those two take atomics, and their last bits vary between runs")
     return 0
 
 

@@ -3,9 +3,11 @@
 #
 #   1. what the build holds and which GPU runs it (python -m attn_ext info);
 #   2. the whole test suite (CUDA variants included: they skip only without a GPU);
-#   3. compute-sanitizer memcheck and racecheck on a short selection of small
-#      CUDA cases (forward, backward, probabilities, dropout; generic and
-#      tensor-core kernels), each a few minutes at most;
+#   3. compute-sanitizer (memcheck, racecheck, synccheck, initcheck) over
+#      tests/test_kernel_selections.py: one small forward+backward call for every
+#      kernel the CUDA build instantiates (tensor-core dtype x head dim x window x
+#      short/long backward tiles; generic dtypes, masks, variants, dropout,
+#      probabilities, packed batches);
 #   then a summary table. Exit status 0 iff every step passed.
 #
 # The caller has built attn_ext (pip install --no-build-isolation --no-deps -e .);
@@ -13,8 +15,7 @@
 #
 # Environment:
 #   PYTHON            the interpreter with torch and attn_ext (default: python)
-#   SANITIZER_TOOLS   compute-sanitizer tools to run (default: "memcheck racecheck";
-#                     synccheck and initcheck work too)
+#   SANITIZER_TOOLS   compute-sanitizer tools to run (default: "memcheck racecheck synccheck initcheck")
 #   SKIP_SUITE=1      skip step 2 (only the sanitizer runs)
 #   STEP_TIMEOUT      seconds each sanitizer run may take (default 600)
 
@@ -23,7 +24,7 @@ set -o pipefail
 
 cd "$(dirname "$0")/.." || exit 2
 PYTHON=${PYTHON:-python}
-TOOLS=${SANITIZER_TOOLS:-memcheck racecheck}
+TOOLS=${SANITIZER_TOOLS:-memcheck racecheck synccheck initcheck}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 LOG_DIR=$(mktemp -d "${TMPDIR:-/tmp}/attn_ext_gpu_check.XXXXXX")
 
@@ -95,18 +96,11 @@ for candidate in "${CUDA_HOME:-}" /usr/local/cuda; do
   fi
 done
 
-# Small shapes only: every kernel runs 10-1000x slower under the sanitizer.
-# float32/float64 run the generic kernels; bfloat16/float16 at E = 64 the
-# tensor-core ones (odd sizes: partial tiles); E = 80 in half precision falls back.
-# The backward's E = 16 cases run the generic kernels; head_dims_and_key_blocks
-# runs the tensor-core backward over several key blocks.
+# Every kernel selection, each once, with small shapes (every kernel runs 10-1000x
+# slower under the sanitizer): tests/test_kernel_selections.py lists them and
+# checks that the tensor-core cases do run on the tensor cores.
 SELECTIONS=(
-  "tests/test_sdpa_forward.py::-k cuda and (B2H3L17S17E16Ev16 or B1H4L9S23E16Ev40 or B2H2L17S129E64Ev64 or B1H2L129S17E80Ev80)"
-  "tests/test_sdpa_forward.py::-k cuda and float32 and test_forward_causal_combined_with_mask and L17S29"
-  "tests/test_sdpa_backward.py::-k cuda and (plain or gqa_causal_float_mask or causal_and_bool_mask) and not large"
-  "tests/test_sdpa_backward.py::-k cuda and head_dims_and_key_blocks and bfloat16 and (64 or 128)"
-  "tests/test_probs.py::-k cuda and test_probs_backward_matches_reference"
-  "tests/test_dropout.py::-k cuda and float32 and test_dropout_forward_and_grads_match_reference_with_recovered_mask and 0.2 and (plain or gqa)"
+  "tests/test_kernel_selections.py::-k cuda"
 )
 
 if [ -z "$SANITIZER" ]; then

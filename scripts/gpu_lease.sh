@@ -8,7 +8,9 @@
 #
 #   build      python setup.py build_ext --inplace, for this GPU's architecture only
 #   tests      the CUDA tests (pytest -k cuda, 8 workers)
-#   memcheck   compute-sanitizer memcheck on the tensor-core backward (our kernels only)
+#   memcheck, racecheck, synccheck, initcheck
+#              that compute-sanitizer tool (our kernels only) over tests/test_kernel_selections.py:
+#              one small forward+backward call for every kernel selection
 #   backward   benchmarks/bench_gpu_backward.py (a dozen bf16 shapes, ~30 s);
 #              with BASELINE=DIR also the tree in DIR (built here first), in the same session
 #   grid       benchmarks/bench_gpu.py, the whole grid, --json $OUT/gpu.json (its JSON is
@@ -26,7 +28,7 @@
 #   OUT         where logs and results go (default: a new temporary folder)
 #   COMMIT      the commit being measured, recorded in the grid's JSON
 #   BASELINE    a copy of another tree (e.g. `git archive HEAD~1 | tar -x -C DIR`) to time beside this one
-#   *_TIMEOUT   seconds per step: BUILD_TIMEOUT 300, TESTS_TIMEOUT 200, MEMCHECK_TIMEOUT 120,
+#   *_TIMEOUT   seconds per step: BUILD_TIMEOUT 300, TESTS_TIMEOUT 200, SANITIZER_TIMEOUT 180 (each tool),
 #               BACKWARD_TIMEOUT 120, GRID_TIMEOUT 300, PROFILE_TIMEOUT 90
 
 set -u
@@ -72,11 +74,10 @@ for s in "${STEPS[@]}"; do
       step tests "${TESTS_TIMEOUT:-200}" env PYTHONPATH="$PWD" "$PYTHON" -m pytest -q -n 8 -rfEs -k cuda -p no:cacheprovider tests
       grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20
       ;;
-    memcheck)
-      step memcheck "${MEMCHECK_TIMEOUT:-120}" env PYTHONPATH="$PWD" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-        compute-sanitizer --tool memcheck --kernel-name kns=attn_ext --error-exitcode 99 --print-limit 10 \
-        "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/test_sdpa_backward.py \
-        -k "cuda and head_dims_and_key_blocks and bfloat16 and (64 or 128)"
+    memcheck | racecheck | synccheck | initcheck)
+      step "$s" "${SANITIZER_TIMEOUT:-180}" env PYTHONPATH="$PWD" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+        compute-sanitizer --tool "$s" --kernel-name kns=attn_ext --error-exitcode 99 --print-limit 10 \
+        "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_kernel_selections.py -k cuda
       ;;
     backward)
       step backward "${BACKWARD_TIMEOUT:-120}" env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu_backward.py \

@@ -20,8 +20,13 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     for family in ("default", "generic", "tensor"):
         assert family in out, out
     # every kernel line says usable or why not
-    kernel_lines = [line.strip() for line in out.splitlines() if line.startswith("    ")]
-    assert kernel_lines and all(("usable" in line) or ("not " in line) for line in kernel_lines), out
+    families = ("default", "avx2", "avx512", "amx", "generic", "tensor")
+    kernel_lines = [line.strip() for line in out.splitlines()
+                    if line.startswith("    ") and line.split()[0] in families]
+    assert len(kernel_lines) >= 3 and all(("usable" in line) or ("not " in line) for line in kernel_lines), out
+    # and what is deterministic, with torch's switch as it is now
+    determinism = out[out.index("  determinism"):]
+    assert "CPU " in determinism and "use_deterministic_algorithms(True) (off now)" in determinism, out
 
 
 @pytest.mark.parametrize("args,pattern", [

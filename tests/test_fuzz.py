@@ -39,12 +39,12 @@ FUZZ_FLOOR = {torch.float64: 1e-9, torch.float32: 5e-5, torch.bfloat16: 2e-2, to
 LAYOUTS = ["contiguous", "transposed", "sliced", "expanded"]
 
 
-def _tensor(shape, dtype, layout, gen, requires_grad):
+def _tensor(shape, dtype, layout, gen, requires_grad, device="cpu"):
     """A standard-normal (B, H, N, D) tensor in `layout`: a view of a leaf that takes
     the gradient (so the kernels see the layout, and autograd gives its gradient)."""
     B, H, N, D = shape
     born = {"transposed": (B, N, H, D), "sliced": (B, H, N, 2 * D), "expanded": (1, H, N, D)}.get(layout, shape)
-    leaf = torch.randn(born, generator=gen).to(dtype).requires_grad_(requires_grad)
+    leaf = torch.randn(born, generator=gen).to(device, dtype).requires_grad_(requires_grad)
     if layout == "transposed":
         return leaf.transpose(1, 2)
     if layout == "sliced":  # every other element of a last dim twice as long
@@ -100,27 +100,28 @@ def calls(draw):
 
 def _inputs(case):
     """q, k, v (views that require grad), the mask (a float one requires grad) and the
-    keyword arguments (sinks require grad)."""
+    keyword arguments (sinks require grad), on case["device"] (default: the CPU)."""
     gen = torch.Generator().manual_seed(case["seed"])
     dtype, B, Hq, Hkv, L, S = (case[k] for k in ("dtype", "B", "Hq", "Hkv", "L", "S"))
+    device = case.get("device", "cpu")
     lq, lk, lv = case["layouts"]
-    q = _tensor((B, Hq, L, case["E"]), dtype, lq, gen, True)
-    k = _tensor((B, Hkv, S, case["E"]), dtype, lk, gen, True)
-    v = _tensor((B, Hkv, S, case["Ev"]), dtype, lv, gen, True)
+    q = _tensor((B, Hq, L, case["E"]), dtype, lq, gen, True, device)
+    k = _tensor((B, Hkv, S, case["E"]), dtype, lk, gen, True, device)
+    v = _tensor((B, Hkv, S, case["Ev"]), dtype, lv, gen, True, device)
     kw = dict(is_causal=case["is_causal"], causal_alignment=case["causal_alignment"], scale=case["scale"],
               enable_gqa=Hq != Hkv, window=case.get("window"), softcap=case.get("softcap"))
     mask = None
     if "mask" in case:
         kind, shape = case["mask"]
         if kind == "bool":
-            mask = torch.rand(shape, generator=gen) < 0.8
+            mask = (torch.rand(shape, generator=gen) < 0.8).to(device)
         else:
-            mask = torch.randn(shape, generator=gen).to(dtype).requires_grad_(True)
+            mask = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
     if "alibi" in case:
         shape = (Hq,) if case["alibi"] == "heads" else (B, Hq)
-        kw["alibi_slopes"] = torch.rand(shape, generator=gen) * 0.5
+        kw["alibi_slopes"] = (torch.rand(shape, generator=gen) * 0.5).to(device)
     if case["sinks"]:
-        kw["sinks"] = torch.randn(Hq, generator=gen).to(dtype).requires_grad_(True)
+        kw["sinks"] = torch.randn(Hq, generator=gen).to(device, dtype).requires_grad_(True)
     return q, k, v, mask, kw
 
 
@@ -140,7 +141,7 @@ def _check(case):
         # The kernel's keep-mask, read back through value = identity under the same seed:
         # out[..., j] = P_ij / (1 - p) where kept, 0 where dropped (and where P_ij = 0).
         B, Hkv, S = case["B"], case["Hkv"], case["S"]
-        eye = torch.eye(S, dtype=q.dtype).expand(B, Hkv, S, S)
+        eye = torch.eye(S, dtype=q.dtype, device=q.device).expand(B, Hkv, S, S)
         detached = {n: (a.detach() if isinstance(a, torch.Tensor) else a) for n, a in kw.items()}
         qd, kd, md = q.detach(), k.detach(), None if mask is None else mask.detach()
         with torch.no_grad():
@@ -177,7 +178,7 @@ def _check(case):
     named = [("query", q, rq, tq), ("key", k, rk, tk), ("value", v, rv, tv), ("attn_mask", mask, ref_mask, tmask),
              ("sinks", kw.get("sinks"), rkw.get("sinks"), tkw.get("sinks"))]
     named = [(n, t, r, b) for n, t, r, b in named if t is not None and t.requires_grad]
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case["seed"] + 1)).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(case["seed"] + 1)).to(out)
     got = grads([out], [t for _, t, _, _ in named], [grad_out])
     ref_inputs = [r if n != "attn_mask" else rmask for n, _, r, _ in named]
     want = grads([ref], ref_inputs + [full_mask], [grad_out.to(torch.float64)])

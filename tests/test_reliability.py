@@ -41,23 +41,50 @@ def test_rss_is_flat_over_20k_forward_backward_calls_with_errors_between():
     by a call that raises (a bad shape), after 2 000 calls of warm-up."""
     if _sanitized():
         pytest.skip("under AddressSanitizer freed memory waits in its quarantine: RSS grows by design")
-    attn_ext = attn_ext_module()
-    q, k, v = _qkv(0, B=1, H=2, L=32, S=32, E=16)
-    mask = torch.randn(1, 1, 32, 32, requires_grad=True)
-    bad = torch.randn(1, 2, 32, 15)  # key with another head dim
-
-    def calls(n):
-        for i in range(n):
-            _fwd_bwd(attn_ext, q, k, v, mask, is_causal=i % 2 == 0)
-            if i % 10 == 0:
-                with pytest.raises((RuntimeError, ValueError)):
-                    attn_ext.scaled_dot_product_attention(q, bad, v)
-
+    calls = _calls_with_errors_between("cpu")
     calls(2_000)
     before = _rss_bytes()
     calls(20_000)
     growth = _rss_bytes() - before
     assert growth < 1 << 20, f"RSS grew by {growth / 2**20:.2f} MB over 20 000 calls"
+
+
+def _calls_with_errors_between(device):
+    """calls(n): n forward+backward calls on `device`, alternately causal, in float32 and
+    (on CUDA, where it takes the tensor-core kernels) bfloat16; after every 10th a call
+    that raises (a key with another head dim)."""
+    attn_ext = attn_ext_module()
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    inputs = []
+    for dtype in dtypes:
+        q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in _qkv(0, B=1, H=2, L=32, S=32, E=16))
+        mask = torch.randn(1, 1, 32, 32).to(device, dtype).requires_grad_()
+        inputs.append((q, k, v, mask))
+    bad = torch.randn(1, 2, 32, 15, device=device)
+
+    def calls(n):
+        for i in range(n):
+            q, k, v, mask = inputs[i % len(inputs)]
+            _fwd_bwd(attn_ext, q, k, v, mask, is_causal=i % 4 < 2)
+            if i % 10 == 0:
+                with pytest.raises((RuntimeError, ValueError)):
+                    attn_ext.scaled_dot_product_attention(q, bad.to(q.dtype), v)
+
+    return calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_memory_is_flat_over_20k_forward_backward_calls_with_errors_between():
+    """After 2 000 calls of warm-up, 20 000 more leave torch's CUDA memory as it was: the
+    same bytes allocated (nothing kept between calls) and no more reserved."""
+    calls = _calls_with_errors_between("cuda")
+    calls(2_000)
+    torch.cuda.synchronize()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    calls(20_000)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated, "CUDA memory allocated grew over 20 000 calls"
+    assert torch.cuda.memory_reserved() <= reserved, "CUDA memory reserved grew over 20 000 calls"
 
 
 def test_python_threads_calling_at_once_give_the_serial_results():
@@ -109,6 +136,34 @@ def test_results_are_bitwise_reproducible_at_each_thread_count():
         assert rel_err(out, ref) < 1e-5, f"{n} threads"
         for g, g1 in zip(grads, runs[1][1:]):
             assert rel_err(g, g1) < 1e-5, f"{n} threads vs 1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA not available")
+def test_cuda_backward_is_deterministic_under_use_deterministic_algorithms():
+    """bfloat16, head dim 64, a mask broadcast over batch and heads: what the tensor-core
+    kernels take, whose backward adds dQ (and the mask's gradient) with atomics. Under
+    torch.use_deterministic_algorithms(True) two identical backwards give the same bits,
+    and the same gradients as the default backward, to bfloat16's precision."""
+    attn_ext = attn_ext_module()
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, grad_out = (torch.randn(2, 4, 512, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(4))
+    mask = torch.randn(1, 1, 512, 512, generator=gen).to("cuda", torch.bfloat16)
+    inputs = [t.requires_grad_() for t in (q, k, v, mask)]
+
+    def grads():
+        out = attn_ext.scaled_dot_product_attention(q, k, v, mask)
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    default = grads()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first, second = grads(), grads()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for name, a, b, d in zip(("query", "key", "value", "mask"), first, second, default):
+        assert torch.equal(a, b), f"grad {name}: two deterministic backwards differ"
+        assert rel_err(a, d) < 1e-2, f"grad {name}: deterministic and default backwards disagree"
 
 
 def _cpu_ticks_per_thread():

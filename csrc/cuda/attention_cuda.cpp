@@ -222,9 +222,13 @@ BackwardResults run_backward_kernels(AttnBwdParams& p, BwdBuffers& buf, const Va
   describe_grad_output(p, grad_out, out, query);
   // Both kernel families read out and grad_out through any strides, so the
   // forward's choice (made from q, k, v, mask, ...) holds for the backward.
+  // The tensor-core backward adds dQ with atomics, in an order that varies
+  // from run to run; under torch.use_deterministic_algorithms(True) the
+  // generic kernels run instead (each dQ row summed by one block, in order).
   // Without keys (S = 0) only the sinks can have a gradient.
   const bool launch = p.B > 0 && p.Hq > 0 && p.L > 0;  // else every gradient is 0: the zeroed buffers
-  const bool tensor_cores = launch && p.S > 0 && tensor_core_reason_for(p) == nullptr;
+  const bool tensor_cores = launch && p.S > 0 && !at::globalContext().deterministicAlgorithms() &&
+                            tensor_core_reason_for(p) == nullptr;
   buf = allocate_backward(p, query, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask, true, tensor_cores);
   BackwardResults g;
   g.sinks_buffer = grad_sinks_buffer(p, variants, query);

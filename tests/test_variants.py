@@ -419,6 +419,30 @@ def test_steep_alibi_matches_reference_and_leaves_subnormals_to_the_caller(devic
     assert (tiny > 0).all() and (tiny < torch.finfo(torch.float32).tiny).all()
 
 
+@pytest.mark.parametrize("softcap", [40.0, 50.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_softcap_with_saturated_negative_scores_matches_reference(device, dtype, softcap):
+    """Half the query rows point away from every key (scores near -300): after the cap
+    their scores are all about -softcap. With a softcap of at most 40 the CPU forward
+    uses the cap as each row's max, so these rows' exp(score - cap) are about
+    exp(-2 cap) = exp(-80), near the end of float's normal range; at 50 it finds the
+    max. A bool mask leaves one row no key (0 out, lse -inf). Output, lse and
+    gradients against the reference."""
+    E = 32
+    gen = make_generator(23)
+    away = torch.ones(E) * (40.0 / E**0.5)  # |away| = 40
+    q = torch.randn(1, 2, 70, E, generator=gen)
+    q[..., :35, :] += away
+    k = torch.randn(1, 2, 90, E, generator=gen) - away
+    v = torch.randn(1, 2, 90, E, generator=gen)
+    q, k, v = (t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v))
+    mask = make_mask("bool", (70, 90), dtype, device, seed=24, keep_prob=0.9)
+    mask[5] = False
+    kw = dict(softcap=softcap)
+    check_forward(q, k, v, mask, kw)
+    check_backward(q, k, v, mask, kw, seed=23, lse_weight=True)
+
+
 def test_variants_left_none_equal_the_plain_call(device):
     q, k, v = make_qkv(2, 2, 2, 17, 23, 16, 16, torch.float32, device, seed=12)
     a = sdpa(q, k, v, is_causal=True, window=None, softcap=None, alibi_slopes=None, sinks=None)

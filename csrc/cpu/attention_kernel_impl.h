@@ -308,42 +308,70 @@ inline Vectorized<float> fast_max<float>(const Vectorized<float>& x, const Vecto
 #undef ATTN_EXT_PS
 #endif
 
-// cap * tanh(y) for the softcap, with FastExp: below |y| = 0.55 an odd
-// polynomial of degree 11 fitted to tanh there, its coefficients times cap
-// (fit error 3e-9 relative; at most 1.2 ulp in float, like the Taylor series
-// through y^17 it replaced, with three FMAs fewer), above it
-// cap (e - 1) / (e + 1) with e = exp(2|y|) and the sign restored (|y| clamped
-// at 9, where tanh is 1 in float). On AVX-512 a vector whose |y| are all below
-// 0.55 (the usual case: a softcap well above the scores) skips the
-// exponential and the division, which cost as much as the rest of the forward
-// (Xeon, 4x8x1024x64 causal float32: softcap 0.52x -> 0.91x the plain
-// kernel). NaN stays NaN. Where FastExp is at::vec's exp (DEFAULT, float64),
-// at::vec's tanh.
+// cap * tanh(y) for the softcap, with FastExp, in three tiers, each at most
+// 1.2 ulp from tanh in float: below |y| = 0.25 an odd polynomial of degree 7
+// fitted to tanh there (3 FMAs), below 0.55 one of degree 11 (5 FMAs), their
+// coefficients times cap; above, cap (e - 1) / (e + 1) with e = exp(2|y|) and
+// the sign restored (|y| clamped at 9, where tanh is 1 in float). A vector
+// whose |y| are all below a tier's bound returns from it (AVX-512 and AVX2): with
+// a softcap well above the scores (30 or 50 against scores of a few units) every
+// vector stops at the first. The exponential and the division cost as much as
+// the rest of the forward (Xeon, 4x8x1024x64 causal float32: softcap 0.52x ->
+// 0.91x the plain kernel with the 0.55 tier). NaN stays NaN. Where FastExp is
+// at::vec's exp (DEFAULT, float64), at::vec's tanh. CappedTanh(cap)(y) is cap tanh(y).
 template <typename T>
-inline Vectorized<T> fast_tanh(const Vectorized<T>& y, T cap = T(1)) {
+class CappedTanh {
+ public:
   using Vec = Vectorized<T>;
-  if constexpr (!FastExp<T>::base2) {
-    return y.tanh() * Vec(cap);
-  } else {
-    const Vec y2 = y * y;
-    // cap tanh(y) / y in powers of y^2, highest first (tanh: a Chebyshev fit on y^2 in [0, 0.3025])
-    constexpr double kFit[] = {-6.332234959e-03, 2.110725775e-02,  -5.385908087e-02,
-                               1.333262065e-01,  -3.333331634e-01, 9.999999993e-01};
-    Vec poly(static_cast<T>(kFit[0] * cap));
-    for (int c = 1; c < 6; ++c) poly = at::vec::fmadd(poly, y2, Vec(static_cast<T>(kFit[c] * cap)));
-    const Vec small = y * poly;
-#if defined(CPU_CAPABILITY_AVX512)
-    // the usual softcap: every |score| below 0.55 softcap, no exponential, no division
-    const __mmask16 large = _mm512_cmp_ps_mask(SimdF(y2), _mm512_set1_ps(0.55f * 0.55f), _CMP_NLT_UQ);
-    if (large == 0) return small;
-#endif
-    const Vec a = y.abs();
-    const Vec e = FastExp<T>::apply(at::vec::minimum(a, Vec(T(9))) * Vec(T(2 * 1.4426950408889634)));
-    const Vec big = (e - Vec(T(1))) / (e + Vec(T(1))) * Vec(cap);
-    const Vec signed_big = Vec::blendv(big, Vec(T(0)) - big, y < Vec(T(0)));
-    return Vec::blendv(signed_big, small, a < Vec(T(0.55)));
+  // The coefficients times cap, broadcast once (the compiler does not hoist them out of a row loop).
+  explicit CappedTanh(T cap) : cap_(cap) {
+    for (int c = 0; c < 4; ++c) fit7_[c] = Vec(static_cast<T>(kFit7[c] * cap));
+    for (int c = 0; c < 6; ++c) fit11_[c] = Vec(static_cast<T>(kFit11[c] * cap));
   }
-}
+
+  Vec operator()(const Vec& y) const {
+    if constexpr (!FastExp<T>::base2) {
+      return y.tanh() * cap_;
+    } else {
+      const Vec y2 = y * y;
+      if (all_below(y2, 0.25f * 0.25f)) {
+        Vec poly = fit7_[0];
+        for (int c = 1; c < 4; ++c) poly = at::vec::fmadd(poly, y2, fit7_[c]);
+        return y * poly;
+      }
+      Vec poly = fit11_[0];
+      for (int c = 1; c < 6; ++c) poly = at::vec::fmadd(poly, y2, fit11_[c]);
+      const Vec small = y * poly;
+      if (all_below(y2, 0.55f * 0.55f)) return small;
+      const Vec a = y.abs();
+      const Vec e = FastExp<T>::apply(at::vec::minimum(a, Vec(T(9))) * Vec(T(2 * 1.4426950408889634)));
+      const Vec big = (e - Vec(T(1))) / (e + Vec(T(1))) * cap_;
+      const Vec signed_big = Vec::blendv(big, Vec(T(0)) - big, y < Vec(T(0)));
+      return Vec::blendv(signed_big, small, a < Vec(T(0.55)));
+    }
+  }
+
+ private:
+  // cap tanh(y) / y in powers of y^2, highest first: fits to tanh on y^2 in [0, 0.0625] and [0, 0.3025]
+  static constexpr double kFit7[] = {-5.132772405e-02, 1.332313281e-01, -3.333320644e-01, 9.999999975e-01};
+  static constexpr double kFit11[] = {-6.332234959e-03, 2.110725775e-02,  -5.385908087e-02,
+                                      1.333262065e-01,  -3.333331634e-01, 9.999999993e-01};
+
+  // Every lane's y^2 below bound (NaN is not); without AVX: never (the whole formula runs).
+  static bool all_below(const Vec& y2, float bound) {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<T, float>)
+      return _mm512_cmp_ps_mask(SimdF(y2), _mm512_set1_ps(bound), _CMP_NLT_UQ) == 0;
+#elif defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<T, float>)
+      return _mm256_movemask_ps(_mm256_cmp_ps(SimdF(y2), _mm256_set1_ps(bound), _CMP_NLT_UQ)) == 0;
+#endif
+    return false;
+  }
+
+  Vec cap_;
+  Vec fit7_[4], fit11_[6];
+};
 
 // Subnormal results flush to zero while a kernel's thread runs (MXCSR.FTZ,
 // restored on leaving; inputs are read as given). On x86 every subnormal
@@ -654,10 +682,10 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
   }
   if (p.softcap > 0.0) {
     // cap tanh(s / cap) in one polynomial; the backward's tanh (for its derivative) from it
-    const T cap = static_cast<T>(p.softcap);
+    const CappedTanh<T> capped_tanh(static_cast<T>(p.softcap));
     const Vec in(static_cast<T>(pending / p.softcap)), inv_cap(static_cast<T>(1.0 / p.softcap));
     for (int64_t j = 0; j < n_padded; j += VS) {
-      const Vec capped = fast_tanh(Vec::loadu(s + j) * in, cap);
+      const Vec capped = capped_tanh(Vec::loadu(s + j) * in);
       capped.store(s + j);
       if (tanh_out != nullptr) (capped * inv_cap).store(tanh_out + j);
     }
@@ -941,6 +969,18 @@ void forward_driver(const AttnParams& p) {
                                                panel * panel);
   const Dropout<T> drop(p);
   const bool write_probs = p.probs != nullptr;
+  // With a softcap and neither ALiBi nor a float mask every score lies in
+  // [-cap, cap] (masked ones are -inf), and softmax does not depend on the
+  // shift: cap stands for each row's running max, so the pass that finds the
+  // max and the rescaling of O when it grows are skipped. exp(s - cap) >=
+  // exp(-2 cap) stays a normal float (>= 2^-126) for cap <= 40. The argument
+  // s - cap is then up to 2 cap from 0, and its rounding (|s - cap| float ulps)
+  // becomes a relative error of each probability up to 80 x 2^-24 = 5e-6: far
+  // below float16's and bfloat16's rounding of the output (and of P for the
+  // AMX products), not below float32's, which keeps the row max.
+  constexpr bool kHalfStorage = !std::is_same_v<scalar_t, T>;
+  const bool cap_is_max = kHalfStorage && p.softcap > 0.0 && p.softcap <= 40.0 && p.alibi == nullptr &&
+                          p.mask_kind != MaskKind::Additive;
   const int64_t n_tasks = B * Hq * n_qblocks;
   const int64_t splits = kv_splits(p, n_tasks, kv_block);
   // Split-KV partial results of item (task, split): rows' max, sum, output sum (Ev apart).
@@ -1039,7 +1079,7 @@ void forward_driver(const AttnParams& p) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
           const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled);
-          const T m_new = std::max(row_m[r], row_max(s, np) * f);
+          const T m_new = cap_is_max ? static_cast<T>(ps.softcap) : std::max(row_m[r], row_max(s, np) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
             if (std::any_of(s, s + n, [](T x) { return std::isnan(x); }))
               row_l[r] = std::numeric_limits<T>::quiet_NaN();  // the NaN reaches lse and the output
@@ -1372,17 +1412,23 @@ void backward_driver(const AttnBwdParams& p) {
               const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled, t);
               probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h,
                                 i, j0);
-              const Vec d(delta[row]);
-              for (int64_t j = 0; j < np; j += VS)
-                (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
-              if (dmask != nullptr) {
-                T* dm = dmask + b * ps.dmask_stride[0] + h * ps.dmask_stride[1] + i * ps.dmask_stride[2] +
-                        j0 * ps.dmask_stride[3];
-                for (int64_t j = 0; j < n; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
-              }
-              if (softcap) {  // d(softcap tanh(x / softcap)) / dx = 1 - tanh^2
-                const Vec one(T(1));
+              // dS = P (dP - D); through the softcap times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2,
+              // in the same pass unless the mask's gradient takes dS in between
+              const Vec d(delta[row]), one(T(1));
+              if (softcap && dmask == nullptr) {
                 for (int64_t j = 0; j < np; j += VS) {
+                  const Vec tj = Vec::loadu(t + j);
+                  (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d) * (one - tj * tj)).store(ds + j);
+                }
+              } else {
+                for (int64_t j = 0; j < np; j += VS)
+                  (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
+                if (dmask != nullptr) {
+                  T* dm = dmask + b * ps.dmask_stride[0] + h * ps.dmask_stride[1] + i * ps.dmask_stride[2] +
+                          j0 * ps.dmask_stride[3];
+                  for (int64_t j = 0; j < n; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
+                }
+                for (int64_t j = 0; softcap && j < np; j += VS) {
                   const Vec tj = Vec::loadu(t + j);
                   (Vec::loadu(ds + j) * (one - tj * tj)).store(ds + j);
                 }

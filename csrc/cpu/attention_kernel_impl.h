@@ -693,13 +693,11 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
   }
   if (p.alibi != nullptr) {
     // s_j -= slope * |pos - (j0 + j)|: the distance of key j0 + j from the row's position
-    const Vec slope(static_cast<T>(p.alibi[b * p.alibi_stride_b + h])), factor(pending);
-    const Vec lanes = Vec::arange(T(0), T(1));
-    const T d0 = static_cast<T>(i + p.causal_offset - j0);
-    for (int64_t j = 0; j < n_padded; j += VS) {
-      const Vec dist = (Vec(d0 - static_cast<T>(j)) - lanes).abs();
-      at::vec::fmsub(Vec::loadu(s + j), factor, slope * dist).store(s + j);
-    }
+    // (the signed distances of a vector's keys step down by VS: whole numbers, exact in T below 2^24)
+    const Vec slope(static_cast<T>(p.alibi[b * p.alibi_stride_b + h])), factor(pending), step(static_cast<T>(VS));
+    Vec signed_dist = Vec(static_cast<T>(i + p.causal_offset - j0)) - Vec::arange(T(0), T(1));
+    for (int64_t j = 0; j < n_padded; j += VS, signed_dist = signed_dist - step)
+      at::vec::fmsub(Vec::loadu(s + j), factor, slope * signed_dist.abs()).store(s + j);
     pending = T(1);
   }
   if (p.mask_kind == MaskKind::Additive && pending != T(1)) {

@@ -65,7 +65,9 @@ def test_mismatched_torch_raises_one_clear_sentence(monkeypatch):
 
 def test_gpu_check_sanitizer_selections_each_pick_cuda_tests():
     """scripts/gpu_check.sh runs compute-sanitizer over pytest -k selections; a renamed test
-    would leave one empty (found only on a GPU machine). Here they are collected (not run)."""
+    would leave one empty (found only on a GPU machine). Here they are collected (not run):
+    each selects CUDA tests only, and together every CUDA test of
+    tests/test_kernel_selections.py (the list of kernel selections)."""
     import os
     import re
     import subprocess
@@ -76,12 +78,20 @@ def test_gpu_check_sanitizer_selections_each_pick_cuda_tests():
         script = f.read()
     block = re.search(r"^SELECTIONS=\(\n(.*?)^\)", script, re.S | re.M).group(1)
     selections = re.findall(r'^\s*"([^"]+)"', block, re.M)
-    assert len(selections) >= 5
-    for sel in selections:
-        path, expr = sel.split("::-k ")
+    assert selections
+
+    def collect(path, expr):
         proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                                os.path.join(root, path), "-k", expr], capture_output=True, text=True, timeout=600,
                               cwd=root)
-        ids = [line for line in proc.stdout.splitlines() if "::" in line]
-        assert proc.returncode == 0 and ids, f"{sel!r} selects nothing:\n{proc.stdout[-2000:]}"
+        assert proc.returncode == 0, proc.stdout[-2000:]
+        return {line for line in proc.stdout.splitlines() if "::" in line}
+
+    selected = set()
+    for sel in selections:
+        ids = collect(*sel.split("::-k "))
+        assert ids, f"{sel!r} selects nothing"
         assert all("cuda" in i for i in ids), f"{sel!r} selects CPU tests too"
+        selected |= ids
+    every = collect("tests/test_kernel_selections.py", "cuda")
+    assert len(every) > 50 and every <= selected, f"not under the sanitizer: {sorted(every - selected)[:5]}"

@@ -8,7 +8,9 @@ float32 / bfloat16: within the suite's rule, ERR_FACTOR x torch's own error
 at that dtype + FLOOR).
 """
 
+import os
 import socket
+import sys
 import time
 from datetime import timedelta
 
@@ -53,6 +55,13 @@ def _entry(rank, fn, world, port, args):
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
+    # A rank that succeeded ends here, before the interpreter's teardown: a process group still
+    # referenced elsewhere (FSDP2's device mesh holds the default group) is otherwise destroyed
+    # during that teardown, where gloo's threads once aborted the process in CI under load
+    # (SIGABRT, "terminate called without an active exception", after the test's checks passed).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- the cases

@@ -22,6 +22,7 @@ _ISA_WHAT = {
     "default": "portable at::vec code",
     "avx2": "AVX2 + FMA, 8 float lanes",
     "avx512": "AVX-512, 16 float lanes, 32 registers",
+    "avx512bf16": "AVX512-BF16 dot products for bfloat16's matrix products, avx512 for the other dtypes",
     "amx": "AMX-BF16 tiles for bfloat16 (decoding rows: AVX512-BF16 dot products), avx512 for the other dtypes",
 }
 
@@ -42,7 +43,7 @@ def _cpu_kernel_lines(lib):
             state = "usable (ATTN_EXT_CPU_ISA=" + isa + " selects it)"
         else:
             state = "not usable: this CPU (or its OS) lacks the instructions"
-        lines.append(f"{isa:<8} {state}; {what}")
+        lines.append(f"{isa:<10} {state}; {what}")
     if not active or active.startswith("none"):
         lines.append(f"error: {active}")
     if lib.get("openmp") != "yes":

@@ -1,7 +1,7 @@
 """pytest configuration: every device-aware test runs on the CPU and, when present, CUDA.
 
 The kernel tests (KERNEL_TESTS) run on the CPU once per compiled CPU kernel variant
-(ATTN_EXT_CPU_ISA=default, avx2, avx512, amx); a variant this CPU cannot run is
+(ATTN_EXT_CPU_ISA=default, avx2, avx512, avx512bf16, amx); a variant this CPU cannot run is
 skipped with the reason. The other tests run the variant attn_ext picks by itself.
 """
 

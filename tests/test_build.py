@@ -18,6 +18,17 @@ def test_library_reports_the_torch_it_was_built_for():
     assert set(info["cpu_isas_supported"].split()) <= set(info["cpu_isas"].split())
 
 
+def test_default_variant_is_the_widest_this_cpu_runs(monkeypatch):
+    """Unforced, a call runs the widest variant this CPU supports that ATEN_CPU_CAPABILITY allows
+    (cpu_isas lists them narrowest first): amx over avx512bf16 over avx512 where all three run."""
+    monkeypatch.delenv("ATTN_EXT_CPU_ISA", raising=False)
+    info = _build.library_info()
+    supported = set(info["cpu_isas_supported"].split())
+    allowed = {"AVX512": None, "AVX2": {"default", "avx2"}}.get(torch.backends.cpu.get_cpu_capability(), {"default"})
+    usable = [isa for isa in info["cpu_isas"].split() if isa in supported and (allowed is None or isa in allowed)]
+    assert info["cpu_isa_active"] == usable[-1], info
+
+
 def test_cpu_isa_switch_picks_each_variant_and_rejects_others(monkeypatch):
     """ATTN_EXT_CPU_ISA forces a variant: each one this CPU runs becomes the active one and
     computes the same attention; an unknown name is an error naming the variable and the value."""

@@ -6,6 +6,8 @@ import sys
 import pytest
 import torch
 
+import attn_ext._build
+
 
 def _run(*args, timeout=600):
     proc = subprocess.run([sys.executable, "-m", "attn_ext", *args], capture_output=True, text=True, timeout=timeout)
@@ -20,10 +22,14 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     for family in ("default", "generic", "tensor"):
         assert family in out, out
     # every kernel line says usable or why not
-    families = ("default", "avx2", "avx512", "amx", "generic", "tensor")
+    cpu_isas = attn_ext._build.library_info()["cpu_isas"].split()
+    families = (*cpu_isas, "generic", "tensor")
     kernel_lines = [line.strip() for line in out.splitlines()
                     if line.startswith("    ") and line.split()[0] in families]
-    assert len(kernel_lines) >= 3 and all(("usable" in line) or ("not " in line) for line in kernel_lines), out
+    assert len(kernel_lines) == len(families), out  # one line per compiled CPU variant and CUDA family
+    assert all(("usable" in line) or ("not " in line) for line in kernel_lines), out
+    # and each CPU variant's line says what it is
+    assert all(line.split("; ", 1)[-1].strip() for line in kernel_lines[:len(cpu_isas)]), out
     # and what is deterministic, with torch's switch as it is now
     determinism = out[out.index("  determinism"):]
     assert "CPU " in determinism and "use_deterministic_algorithms(True) (off now)" in determinism, out

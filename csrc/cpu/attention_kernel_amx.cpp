@@ -1,8 +1,11 @@
-// attn_ext: the CPU kernels for AMX-BF16 CPUs (Sapphire Rapids and later):
-// bfloat16 attention whose matrix products run on AMX tiles (bfloat16 inputs,
-// float32 accumulation), inside the same driver as every other variant; every
-// other dtype, and shapes the tiles do not suit, run avx512's kernels.
-// Compiled with avx512's flags (isa_flags.txt); amx_bf16.h enables the AMX
+// attn_ext: the CPU kernels for bfloat16 units, two variants of one unit:
+//   amx         (Sapphire Rapids and later) bfloat16 attention whose matrix
+//               products run on AMX tiles (bfloat16 inputs, float32 accumulation);
+//   avx512bf16  (AMD Zen 4 and later, Intel Cooper Lake) the same products with
+//               AVX512-BF16 dot products on vector registers (amx_bf16.h's gemm_dots).
+// Both run inside the same driver as every other variant; every other dtype,
+// and shapes the products do not suit, run avx512's kernels. Compiled with
+// avx512's flags (isa_flags.txt); amx_bf16.h enables the AMX and AVX512-BF16
 // instructions for its own functions only.
 #define CPU_CAPABILITY AVX512
 #define CPU_CAPABILITY_AVX512
@@ -22,12 +25,32 @@ void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
   if (to > from) std::fill(a + from * ld, a + to * ld, uint16_t(0));
 }
 
-// The forward's products on AMX tiles (VecForwardProducts' interface). Q is
+// The products' two engines: one interface (amx::gemm's), with its per-thread set-up.
+struct TileEngine {  // AMX-BF16 tiles: the tile configuration is per-thread state
+  static void start() { amx::configure_tiles(); }
+  static void stop() { amx::release_tiles(); }
+  static void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb,
+                   float* C, int64_t ldc, bool accumulate) {
+    amx::gemm(M, N, K, A, lda, Bv, ldb, C, ldc, accumulate);
+  }
+};
+
+struct DotEngine {  // AVX512-BF16 dot products: no state
+  static void start() {}
+  static void stop() {}
+  static void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb,
+                   float* C, int64_t ldc, bool accumulate) {
+    amx::gemm_dots(M, N, K, A, lda, Bv, ldb, C, ldc, accumulate);
+  }
+};
+
+// The forward's products on an engine's bfloat16 products (VecForwardProducts' interface). Q is
 // kept as bfloat16 rows (the A operand), unscaled: the driver applies the
 // scale to the float32 scores (unscaled()). K^T and V of a (batch, kv head)
 // are packed once into VNNI panels of `panel` keys and kept while they fit
 // (PanelCache). Each row of P is rounded to bfloat16 for P V.
-class AmxForwardProducts {
+template <class Engine>
+class Bf16ForwardProducts {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;      // a C tile is 16 floats wide
@@ -35,7 +58,7 @@ class AmxForwardProducts {
   static constexpr int64_t kRowAlign = 16;  // query blocks are whole A tiles
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
-  AmxForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
+  Bf16ForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
       : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), panel_(panel),
         k_panel_(Ep_ / 2 * 2 * panel), v_panel_(panel / 2 * 2 * Evp_) {
     cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), panel);
@@ -45,9 +68,9 @@ class AmxForwardProducts {
     pa_.resize(q_block * cols);
     kv_.resize(k_panel_ * slots);
     if (p.v != nullptr) vv_.resize(v_panel_ * slots);
-    amx::configure_tiles();
+    Engine::start();
   }
-  ~AmxForwardProducts() { amx::release_tiles(); }
+  ~Bf16ForwardProducts() { Engine::stop(); }
 
   int64_t out_ld() const { return Evp_; }
   void bind(const AttnParams& p) { p_ = &p; }
@@ -71,7 +94,7 @@ class AmxForwardProducts {
         amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0 + c), E_, Ep_, panel_);
         cache_.mark(cache_.k, slot);
       }
-      amx::gemm(mp_, std::min(panel_, ld - c), Ep_, qa_.data(), Ep_, kv, 2 * panel_, st + c, ld, false);
+      Engine::gemm(mp_, std::min(panel_, ld - c), Ep_, qa_.data(), Ep_, kv, 2 * panel_, st + c, ld, false);
     }
   }
 
@@ -92,7 +115,7 @@ class AmxForwardProducts {
         amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0 + c), p_->Ev, panel_, Evp_);
         cache_.mark(cache_.v, slot);
       }
-      amx::gemm(mp_, Evp_, std::min(panel_, n32 - c), pa_.data() + c, n32, vv, 2 * Evp_, ot, Evp_, true);
+      Engine::gemm(mp_, Evp_, std::min(panel_, n32 - c), pa_.data() + c, n32, vv, 2 * Evp_, ot, Evp_, true);
     }
   }
 
@@ -159,12 +182,13 @@ class Bf16DotProducts {
   Buffer<uint16_t> qa_, pa_;
 };
 
-// The backward's products on AMX tiles (VecBackwardProducts' interface). Q
+// The backward's products on an engine's bfloat16 products (VecBackwardProducts' interface). Q
 // and dO are kept unscaled as bfloat16 A rows and as VNNI panels (for dK and
 // dV, whose sums run over the query rows); K^T, V^T and K of a key block as
 // VNNI panels. Z^T, dS and dS^T are rounded to bfloat16 for their products.
 // S = Q K^T comes unscaled (the driver scales it); dQ and dK are stored times the scale.
-class AmxBackwardProducts {
+template <class Engine>
+class Bf16BackwardProducts {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;
@@ -173,7 +197,7 @@ class AmxBackwardProducts {
   static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
   static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
 
-  AmxBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
+  Bf16BackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
       : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
         Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
         from_probs_(p.dprobs != nullptr) {
@@ -187,9 +211,9 @@ class AmxBackwardProducts {
     do_r_.resize(qb32 * Evp16_);
     t_a_.resize(kv_block * qb32);
     d_a_.resize(q_block * kv_block);
-    amx::configure_tiles();
+    Engine::start();
   }
-  ~AmxBackwardProducts() { amx::release_tiles(); }
+  ~Bf16BackwardProducts() { Engine::stop(); }
 
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
@@ -221,27 +245,27 @@ class AmxBackwardProducts {
   }
 
   void scores(float* st) {
-    amx::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, n16_, false);
+    Engine::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, n16_, false);
   }
 
   void grad_probs(float* dst) {
-    amx::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, n16_, false);
+    Engine::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, n16_, false);
   }
 
   void add_dv(float* dv, const float* z) {
     transposed_a(z);
-    amx::gemm(n16_, Evp16_, m32_, t_a_.data(), m32_, do_r_.data(), 2 * Evp16_, dv, Evp16_, true);
+    Engine::gemm(n16_, Evp16_, m32_, t_a_.data(), m32_, do_r_.data(), 2 * Evp16_, dv, Evp16_, true);
   }
 
   void add_dq(float* dq, const float* ds) {
     amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, n16_, m_, n_, n32_);
     zero_rows(d_a_.data(), n32_, m_, m16_);
-    amx::gemm(m16_, Ep16_, n32_, d_a_.data(), n32_, k_r_.data(), 2 * Ep16_, dq, Ep16_, true);
+    Engine::gemm(m16_, Ep16_, n32_, d_a_.data(), n32_, k_r_.data(), 2 * Ep16_, dq, Ep16_, true);
   }
 
   void add_dk(float* dk, const float* ds) {
     transposed_a(ds);
-    amx::gemm(n16_, Ep16_, m32_, t_a_.data(), m32_, q_r_.data(), 2 * Ep16_, dk, Ep16_, true);
+    Engine::gemm(n16_, Ep16_, m32_, t_a_.data(), m32_, q_r_.data(), 2 * Ep16_, dk, Ep16_, true);
   }
 
  private:
@@ -258,8 +282,8 @@ class AmxBackwardProducts {
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
 };
 
-// The tiles pay off from a full tile of query rows; the packing reads rows with
-// contiguous columns.
+// The products pay off from a full tile of query rows (16); the packing reads
+// rows with contiguous columns.
 bool amx_suits(const AttnParams& p) {
   return p.dtype == DType::BFloat16 && p.L >= 16 && p.E > 0 && p.q_stride[3] == 1 && p.k_stride[3] == 1 &&
          (p.v == nullptr || p.v_stride[3] == 1);
@@ -281,19 +305,31 @@ bool dots_suit(const AttnParams& p) {
          p.q_stride[3] == 1 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
 }
 
-}  // namespace
-
-void attention_forward(const AttnParams& params) {
-  if (amx_suits(params)) return forward_driver<Bf16, AmxForwardProducts>(params);
+template <class Engine>
+void bf16_forward(const AttnParams& params) {
+  if (amx_suits(params)) return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
   if (dots_suit(params)) return forward_driver<Bf16, Bf16DotProducts>(params);
   AVX512::attention_forward(params);
 }
 
-void attention_backward(const AttnBwdParams& params) {
-  if (amx_suits(params)) return backward_driver<Bf16, AmxBackwardProducts>(params);
+template <class Engine>
+void bf16_backward(const AttnBwdParams& params) {
+  if (amx_suits(params)) return backward_driver<Bf16, Bf16BackwardProducts<Engine>>(params);
   AVX512::attention_backward(params);
 }
 
+}  // namespace
+
+void attention_forward(const AttnParams& params) { bf16_forward<TileEngine>(params); }
+void attention_backward(const AttnBwdParams& params) { bf16_backward<TileEngine>(params); }
+
 }  // namespace attn_ext::cpu::AMX
 
-ATTN_EXT_REGISTER_CPU_KERNELS("amx", 3, AMX)
+namespace attn_ext::cpu::AVX512BF16 {
+void attention_forward(const AttnParams& params) { AMX::bf16_forward<AMX::DotEngine>(params); }
+void attention_backward(const AttnBwdParams& params) { AMX::bf16_backward<AMX::DotEngine>(params); }
+}  // namespace attn_ext::cpu::AVX512BF16
+
+// avx512bf16 ranks below amx: where both run (Sapphire Rapids), the tiles are the default.
+ATTN_EXT_REGISTER_CPU_KERNELS("avx512bf16", 3, AVX512BF16)
+ATTN_EXT_REGISTER_CPU_KERNELS("amx", 4, AMX)

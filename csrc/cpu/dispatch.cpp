@@ -32,7 +32,7 @@ std::string requested_isa() {
 // ATEN_CPU_CAPABILITY caps PyTorch's own kernels; the default choice follows it.
 int aten_cap_rank() {
   const std::string cap = at::get_cpu_capability();
-  if (cap == "AVX512") return 1 << 30;  // avx512 and amx
+  if (cap == "AVX512") return 1 << 30;  // avx512, avx512bf16 and amx
   if (cap == "AVX2") return 1;
   return 0;
 }
@@ -63,6 +63,7 @@ bool cpu_supports(const std::string& isa) {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
   if (isa == "avx2") return avx2;
   if (isa == "avx512") return avx512;
+  if (isa == "avx512bf16") return avx512 && amx::cpu_has_avx512_bf16();
   // AMX also needs the kernel's permission for the tile state (asked once, here).
   if (isa == "amx") return avx512 && amx::cpu_has_amx_bf16() && amx::request_amx_permission();
 #endif

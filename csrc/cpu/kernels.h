@@ -18,7 +18,7 @@ using ForwardFn = void (*)(const AttnParams& params);
 using BackwardFn = void (*)(const AttnBwdParams& params);
 
 struct CpuKernels {
-  const char* isa;  // "default", "avx2", "avx512" or "amx": the ATTN_EXT_CPU_ISA name
+  const char* isa;  // "default", "avx2", "avx512", "avx512bf16" or "amx": the ATTN_EXT_CPU_ISA name
   int rank;         // wider is higher; the default choice is the highest usable one
   ForwardFn forward;
   BackwardFn backward;
@@ -37,7 +37,7 @@ bool register_cpu_kernels(const CpuKernels& kernels);
   }
 
 // The variants' kernels, for units that hand some cases to another variant
-// (amx runs everything but its bfloat16 products on avx512's kernels).
+// (amx and avx512bf16 run everything but their bfloat16 products on avx512's kernels).
 #define ATTN_EXT_DECLARE_CPU_KERNELS(ISA_NS)             \
   namespace ISA_NS {                                     \
   void attention_forward(const AttnParams& params);      \
@@ -46,6 +46,7 @@ bool register_cpu_kernels(const CpuKernels& kernels);
 ATTN_EXT_DECLARE_CPU_KERNELS(DEFAULT)
 ATTN_EXT_DECLARE_CPU_KERNELS(AVX2)
 ATTN_EXT_DECLARE_CPU_KERNELS(AVX512)
+ATTN_EXT_DECLARE_CPU_KERNELS(AVX512BF16)
 ATTN_EXT_DECLARE_CPU_KERNELS(AMX)
 #undef ATTN_EXT_DECLARE_CPU_KERNELS
 

@@ -1,7 +1,8 @@
 // attn_ext: standalone test and micro-benchmark of csrc/cpu/amx_bf16.h (no torch needed).
 // Build:  g++ -O2 -std=c++17 tests/cpp/test_amx_bf16.cpp -o /tmp/test_amx_bf16
 //         (no ISA flags: amx_bf16.h enables its own; CMake builds it too and ctest runs it)
-// Run:    /tmp/test_amx_bf16 [--bench]   (prints "skipped: ..." and exits 0 without AMX)
+// Run:    /tmp/test_amx_bf16 [--bench]   (prints "skipped: ..." and exits 0 without AVX512-BF16;
+//         without AMX it tests and times everything but the tiles)
 #include "../../csrc/cpu/amx_bf16.h"
 
 #include <algorithm>
@@ -90,15 +91,24 @@ double dot_rel_err(float got, double init, const uint16_t* a, int64_t sa, const 
   return std::fabs(got - ref) / (mag + 1e-30);
 }
 
+// The two products of one interface: amx::gemm (tiles) and amx::gemm_dots (AVX512-BF16).
+using GemmFn = void (*)(int64_t, int64_t, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                        bool);
+struct Gemm {
+  const char* name;
+  GemmFn fn;
+};
+constexpr Gemm kTiles{"gemm", &amx::gemm}, kDots{"gemm_dots", &amx::gemm_dots};
+
 // ------------------------------------------------------------------------------------------------
-void test_gemm(int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_extra, int64_t ldc_extra) {
+void test_gemm(Gemm g, int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_extra, int64_t ldc_extra) {
   const int64_t lda = K + lda_extra, ldc = N + ldc_extra;
   std::vector<uint16_t> A = random_bf16(M * lda), B = random_bf16(K * N);
   std::vector<uint16_t> Bv = ref_vnni(B.data(), N, K, N, K, N);
   std::vector<float> C(M * ldc);
   for (auto& c : C) c = uniform(-4.f, 4.f);
   const std::vector<float> C0 = C;
-  amx::gemm(M, N, K, A.data(), lda, Bv.data(), 2 * N, C.data(), ldc, accumulate);
+  g.fn(M, N, K, A.data(), lda, Bv.data(), 2 * N, C.data(), ldc, accumulate);
   double worst = 0;
   bool untouched = true;
   for (int64_t m = 0; m < M; ++m) {
@@ -108,7 +118,7 @@ void test_gemm(int64_t M, int64_t N, int64_t K, bool accumulate, int64_t lda_ext
     for (int64_t n = N; n < ldc; ++n) untouched &= bits_of(C[m * ldc + n]) == bits_of(C0[m * ldc + n]);
   }
   char what[160];
-  std::snprintf(what, sizeof what, "gemm M=%lld N=%lld K=%lld lda=%lld ldc=%lld acc=%d (rel err %.2e)",
+  std::snprintf(what, sizeof what, "%s M=%lld N=%lld K=%lld lda=%lld ldc=%lld acc=%d (rel err %.2e)", g.name,
                 (long long)M, (long long)N, (long long)K, (long long)lda, (long long)ldc, int(accumulate), worst);
   check(worst < 2e-6, what);  // fp32 accumulation of exact bf16 products
   check(untouched, std::string(what) + ": wrote past N");
@@ -254,7 +264,7 @@ void test_add_pv_rows(int64_t M, int64_t N, int64_t C, int64_t ldv_extra) {
   check(untouched, what + ": wrote past C");
 }
 
-void test_pipeline(int64_t L, int64_t S, int64_t E) {
+void test_pipeline(Gemm g, int64_t L, int64_t S, int64_t E) {
   const int64_t Lp = round_up(L, 32), Sp = round_up(S, 32), Ep = round_up(E, 32);
   std::vector<float> Q(L * E);
   for (auto& x : Q) x = uniform();
@@ -264,13 +274,13 @@ void test_pipeline(int64_t L, int64_t S, int64_t E) {
   amx::convert_rows_to_bf16(Qb.data(), Ep, Q.data(), E, L, E, Ep);
   amx::pack_vnni_from_transposed(Kv.data(), Kt.data(), E, S, E, Ep, Sp);
   std::vector<float> Sc(Lp * Sp);
-  amx::gemm(Lp, Sp, Ep, Qb.data(), Ep, Kv.data(), 2 * Sp, Sc.data(), Sp, false);
+  g.fn(Lp, Sp, Ep, Qb.data(), Ep, Kv.data(), 2 * Sp, Sc.data(), Sp, false);
   // T = S^T Q' where Q' = bf16(Q) (L x E): A = bf16(S^T) (Sp x Lp), B = Q' packed from rows (L x E).
   std::vector<uint16_t> St(Sp * Lp, 0), Qv(Lp * Ep);
   amx::convert_transposed_to_bf16(St.data(), Lp, Sc.data(), Sp, L, S, Lp);
   amx::pack_vnni_from_rows(Qv.data(), Qb.data(), Ep, L, E, Lp, Ep);
   std::vector<float> T(Sp * Ep);
-  amx::gemm(Sp, Ep, Lp, St.data(), Lp, Qv.data(), 2 * Ep, T.data(), Ep, false);
+  g.fn(Sp, Ep, Lp, St.data(), Lp, Qv.data(), 2 * Ep, T.data(), Ep, false);
   double err = 0, norm = 0;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t e = 0; e < E; ++e) {
@@ -284,7 +294,7 @@ void test_pipeline(int64_t L, int64_t S, int64_t E) {
       norm += ref * ref;
     }
   const double rel = std::sqrt(err / norm);
-  check(rel < 1e-2, "pipeline L=" + std::to_string(L) + " S=" + std::to_string(S) + " E=" + std::to_string(E) +
+  check(rel < 1e-2, std::string(g.name) + " pipeline L=" + std::to_string(L) + " S=" + std::to_string(S) + " E=" + std::to_string(E) +
                         " rel err " + std::to_string(rel));  // bf16 rounding of S dominates
 }
 
@@ -312,7 +322,8 @@ struct Buffer {
   T* data;
 };
 
-void bench_gemm(int64_t M, int64_t N, int64_t K, double ghz, size_t offset = 0) {
+// peak: the product's FLOP/cycle on one core (AMX-BF16: 1024; vdpbf16ps: 64 per 512-bit port).
+void bench_gemm(Gemm g, double peak, int64_t M, int64_t N, int64_t K, double ghz, size_t offset = 0) {
   Buffer<uint16_t> A(M * K, offset), Bv(K * N, offset);
   Buffer<float> C(M * N, offset);
   const std::vector<uint16_t> a = random_bf16(M * K), b = random_bf16(K * N);
@@ -320,17 +331,17 @@ void bench_gemm(int64_t M, int64_t N, int64_t K, double ghz, size_t offset = 0) 
   std::copy(b.begin(), b.end(), Bv.data);
   std::fill(C.data, C.data + M * N, 0.f);
   for (int acc = 0; acc < 2; ++acc) {
-    for (int i = 0; i < 200; ++i) amx::gemm(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
+    for (int i = 0; i < 200; ++i) g.fn(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
     double best = 1e30;  // best of 20 rounds: the machine may be shared
     for (int r = 0; r < 20; ++r) {
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < 200; ++i) amx::gemm(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
+      for (int i = 0; i < 200; ++i) g.fn(M, N, K, A.data, K, Bv.data, 2 * N, C.data, N, acc);
       best = std::min(best, seconds_since(t0) / 200);
     }
     const double gflops = 2.0 * M * N * K / best / 1e9;
-    std::printf("gemm M=%-4lld N=%-4lld K=%-4lld acc=%d%s: %7.1f GFLOP/s = %5.1f FLOP/cycle at %.2f GHz (%2.0f%% of 1024)\n",
-                (long long)M, (long long)N, (long long)K, acc, offset ? " rows misaligned" : "", gflops, gflops / ghz,
-                ghz, 100.0 * gflops / ghz / 1024);
+    std::printf("%-9s M=%-4lld N=%-4lld K=%-4lld acc=%d%s: %7.1f GFLOP/s = %5.1f FLOP/cycle at %.2f GHz (%2.0f%% of %.0f)\n",
+                g.name, (long long)M, (long long)N, (long long)K, acc, offset ? " rows misaligned" : "", gflops,
+                gflops / ghz, ghz, 100.0 * gflops / ghz / peak, peak);
   }
 }
 
@@ -346,16 +357,20 @@ void bench_helper(const char* what, F&& f) {
   std::printf("%-58s %8.0f ns\n", what, best * 1e9);
 }
 
-void bench() {
+void bench(bool tiles) {
   const double ghz = tsc_ghz();  // the TSC rate; the core may run faster (turbo)
   std::printf("single thread, 64-byte aligned buffers unless said, lda = K, ldc = N, best of 20 rounds\n");
-  amx::configure_tiles();
-  bench_gemm(256, 128, 64, ghz);
-  bench_gemm(64, 256, 128, ghz);
-  bench_gemm(256, 64, 256, ghz);
-  bench_gemm(64, 64, 64, ghz);
-  bench_gemm(256, 128, 64, ghz, 32);  // every tile row straddles two cache lines
-  amx::release_tiles();
+  for (Gemm g : {kTiles, kDots}) {
+    if (g.fn == kTiles.fn && !tiles) continue;
+    const double peak = g.fn == kTiles.fn ? 1024 : 128;  // vdpbf16ps: 2 ports x 64 (Intel; Zen 4: 1 x 64)
+    if (g.fn == kTiles.fn) amx::configure_tiles();
+    bench_gemm(g, peak, 256, 128, 64, ghz);
+    bench_gemm(g, peak, 64, 256, 128, ghz);
+    bench_gemm(g, peak, 256, 64, 256, ghz);
+    bench_gemm(g, peak, 64, 64, 64, ghz);
+    bench_gemm(g, peak, 256, 128, 64, ghz, 32);  // every row straddles two cache lines
+    if (g.fn == kTiles.fn) amx::release_tiles();
+  }
   // The helpers on a 64 x 128 (bf16 or fp32) block, the size of one attention tile.
   std::vector<uint16_t> src = random_bf16(128 * 128), dst(128 * 128);
   std::vector<float> srcf(128 * 128, 0.5f);
@@ -372,30 +387,39 @@ void bench() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (!amx::cpu_has_amx_bf16()) {
-    std::printf("skipped: CPU or OS lacks AMX-BF16 / AVX512-BF16\n");
+  if (!amx::cpu_has_avx512_bf16()) {
+    std::printf("skipped: CPU or OS lacks AVX512-BF16 / AVX-512\n");
     return 0;
   }
-  if (!amx::request_amx_permission()) {
-    std::printf("skipped: the OS refused the AMX tile-data permission (arch_prctl)\n");
-    return 0;
+  bool tiles = amx::cpu_has_amx_bf16();
+  if (!tiles) {
+    std::printf("no AMX-BF16 here: the tile product is skipped, the rest runs\n");
+  } else if (!amx::request_amx_permission()) {
+    std::printf("the OS refused the AMX tile-data permission (arch_prctl): the tile product is skipped\n");
+    tiles = false;
   }
   if (argc > 1 && std::string(argv[1]) == "--bench") {
-    bench();
+    bench(tiles);
     return 0;
   }
 
-  amx::configure_tiles();
-  const int64_t sizes[] = {16, 32, 48, 64, 112, 256};
-  for (int64_t M : sizes)
-    for (int64_t N : sizes)
-      for (int64_t K : {32, 64, 96, 256})
-        for (bool acc : {false, true}) {
-          if ((M * N * K) % 3 != 0 && M > 64 && N > 64) continue;  // thin the big cases out a little
-          test_gemm(M, N, K, acc, (M + N) % 2 ? 0 : 40, (N + K) % 2 ? 0 : 24);
-        }
-  test_gemm(32, 32, 32, true, 7, 3);  // odd leading dimensions (unaligned rows)
-  test_gemm(48, 80, 160, false, 1, 5);
+  if (tiles) amx::configure_tiles();
+  const int64_t sizes[] = {16, 32, 48, 64, 80, 112, 256};
+  for (Gemm g : {kTiles, kDots}) {
+    if (g.fn == kTiles.fn && !tiles) continue;
+    for (int64_t M : sizes)
+      for (int64_t N : sizes)
+        for (int64_t K : {32, 64, 96, 256})
+          for (bool acc : {false, true}) {
+            if ((M * N * K) % 3 != 0 && M > 64 && N > 64) continue;  // thin the big cases out a little
+            test_gemm(g, M, N, K, acc, (M + N) % 2 ? 0 : 40, (N + K) % 2 ? 0 : 24);
+          }
+    test_gemm(g, 32, 32, 32, true, 7, 3);  // odd leading dimensions (unaligned rows)
+    test_gemm(g, 48, 80, 160, false, 1, 5);
+    test_pipeline(g, 37, 53, 24);
+    test_pipeline(g, 64, 128, 64);
+    test_pipeline(g, 100, 30, 72);
+  }
   for (int r = 0; r < 40; ++r) {
     const int64_t K = rand_int(1, 200), N = rand_int(1, 200);
     const int64_t Kp = round_up(K, 32) + 32 * rand_int(0, 1), Np = round_up(N, 16) + 16 * rand_int(0, 1);
@@ -415,10 +439,7 @@ int main(int argc, char** argv) {
         test_dot_rows(M, N, K, (N + K) % 3 == 0 ? 0 : 5);
         test_add_pv_rows(M, N, K, (N + K) % 2 == 0 ? 0 : 3);
       }
-  test_pipeline(37, 53, 24);
-  test_pipeline(64, 128, 64);
-  test_pipeline(100, 30, 72);
-  amx::release_tiles();
+  if (tiles) amx::release_tiles();
 
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -284,13 +284,13 @@ class Bf16BackwardProducts {
 
 // The products pay off from a full tile of query rows (16); the packing reads
 // rows with contiguous columns.
-bool amx_suits(const AttnParams& p) {
+bool products_suit(const AttnParams& p) {
   return p.dtype == DType::BFloat16 && p.L >= 16 && p.E > 0 && p.q_stride[3] == 1 && p.k_stride[3] == 1 &&
          (p.v == nullptr || p.v_stride[3] == 1);
 }
 
-bool amx_suits(const AttnBwdParams& p) {
-  return amx_suits(static_cast<const AttnParams&>(p)) && p.S > 0 && (p.dout == nullptr || p.do_stride[3] == 1);
+bool products_suit(const AttnBwdParams& p) {
+  return products_suit(static_cast<const AttnParams&>(p)) && p.S > 0 && (p.dout == nullptr || p.do_stride[3] == 1);
 }
 
 // Decoding steps (up to kDotRows rows per query block: a grouped-query step's
@@ -298,7 +298,7 @@ bool amx_suits(const AttnBwdParams& p) {
 // explicit-probabilities op keeps avx512's path. Measured on the Xeon (1 x 8
 // heads x 4000 keys): 8 rows in place 1.7 ms against 5.2 on avx512's kernels
 // (which convert every key and value row to float32 and pack it for a few
-// rows; the tiles take 16 rows and more, amx_suits).
+// rows; the tiles take 16 rows and more, products_suit).
 constexpr int64_t kDotRows = 8;
 bool dots_suit(const AttnParams& p) {
   return p.dtype == DType::BFloat16 && p.L <= kDotRows && p.E > 0 && p.v != nullptr && p.probs == nullptr &&
@@ -307,14 +307,14 @@ bool dots_suit(const AttnParams& p) {
 
 template <class Engine>
 void bf16_forward(const AttnParams& params) {
-  if (amx_suits(params)) return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
+  if (products_suit(params)) return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
   if (dots_suit(params)) return forward_driver<Bf16, Bf16DotProducts>(params);
   AVX512::attention_forward(params);
 }
 
 template <class Engine>
 void bf16_backward(const AttnBwdParams& params) {
-  if (amx_suits(params)) return backward_driver<Bf16, Bf16BackwardProducts<Engine>>(params);
+  if (products_suit(params)) return backward_driver<Bf16, Bf16BackwardProducts<Engine>>(params);
   AVX512::attention_backward(params);
 }
 

@@ -84,7 +84,7 @@ class Bf16ForwardProducts {
   }
 
   // S = Q K[j0, j0 + n)^T, a product per panel (j0 on a panel boundary).
-  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
       uint16_t* kv = kv_.data() + slot * k_panel_;
@@ -104,7 +104,7 @@ class Bf16ForwardProducts {
     amx::convert_rows_to_bf16(pa_.data() + r * n32, n32, s, n32, 1, n, n32);
   }
 
-  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
     const int64_t n32 = round_up(n, 32);
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
     for (int64_t c = 0; c < n; c += panel_) {
@@ -159,7 +159,7 @@ class Bf16DotProducts {
                         Ep_);
   }
 
-  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
     amx::dot_rows_bf16(st, ld, qa_.data(), Ep_, m_, bits(row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0)),
                        p_->k_stride[2], n, E_);
     for (int64_t r = 0; r < m_; ++r) std::fill(st + r * ld + n, st + (r + 1) * ld, 0.f);
@@ -170,7 +170,7 @@ class Bf16DotProducts {
     amx::convert_rows_to_bf16(pa_.data() + r * lp_, lp_, s, lp_, 1, n, round_up(n, 2));
   }
 
-  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
     amx::add_pv_rows_bf16(ot, Evp_, pa_.data(), lp_, m_, bits(row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0)),
                           p_->v_stride[2], n, p_->Ev);
   }
@@ -218,9 +218,8 @@ class Bf16BackwardProducts {
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    n_ = n;
-    n16_ = round_up(n, 16);
-    n32_ = round_up(n, 32);
+    narrow(n);
+    ld16_ = n16_;  // the row stride of the driver's score tiles
     const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
     amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_->k_stride[2], n, E_, kv_block_, Ep16_);
@@ -244,12 +243,19 @@ class Bf16BackwardProducts {
     amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
   }
 
+  // The next products take only the first n keys of the loaded block (the query block sees no more).
+  void narrow(int64_t n) {
+    n_ = n;
+    n16_ = round_up(n, 16);
+    n32_ = round_up(n, 32);
+  }
+
   void scores(float* st) {
-    Engine::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, n16_, false);
+    Engine::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, ld16_, false);
   }
 
   void grad_probs(float* dst) {
-    Engine::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, n16_, false);
+    Engine::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, ld16_, false);
   }
 
   void add_dv(float* dv, const float* z) {
@@ -258,7 +264,7 @@ class Bf16BackwardProducts {
   }
 
   void add_dq(float* dq, const float* ds) {
-    amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, n16_, m_, n_, n32_);
+    amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, ld16_, m_, n_, n32_);
     zero_rows(d_a_.data(), n32_, m_, m16_);
     Engine::gemm(m16_, Ep16_, n32_, d_a_.data(), n32_, k_r_.data(), 2 * Ep16_, dq, Ep16_, true);
   }
@@ -269,16 +275,16 @@ class Bf16BackwardProducts {
   }
 
  private:
-  // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16): the A operand of dV and dK.
+  // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16): the A operand of dV and dK.
   void transposed_a(const float* x) {
-    amx::convert_transposed_to_bf16(t_a_.data(), m32_, x, n16_, m_, n_, m32_);
+    amx::convert_transposed_to_bf16(t_a_.data(), m32_, x, ld16_, m_, n_, m32_);
     zero_rows(t_a_.data(), m32_, n_, n16_);
   }
 
   const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
   const bool from_probs_;
-  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0;
+  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0;
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
 };
 

@@ -410,6 +410,31 @@ inline void parallel_tasks(int64_t n, int64_t grain, const F& f) {
   });
 }
 
+// parallel_tasks over tasks [0, cost.size()) in one contiguous share per
+// thread, the shares of about equal cost (any unit). A packed batch's tasks
+// cost as much as their sequence is long, so an even split by count would
+// leave one thread the long sequences; contiguous shares of sequence-major
+// tasks also keep each thread's output rows its own (the rows of a packed
+// (total, H, E) output interleave the heads).
+template <typename F>
+inline void parallel_tasks_balanced(const std::vector<double>& cost, const F& f) {
+  const int64_t n = static_cast<int64_t>(cost.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1) return parallel_tasks(n, std::max<int64_t>(n, 1), f);
+  std::vector<double> prefix(n + 1, 0.0);  // prefix[t]: the cost of tasks [0, t)
+  for (int64_t t = 0; t < n; ++t) prefix[t + 1] = prefix[t] + cost[t];
+  std::vector<int64_t> bounds(threads + 1, n);  // share c is tasks [bounds[c], bounds[c + 1])
+  bounds[0] = 0;
+  for (int64_t c = 1; c < threads; ++c) {
+    const double target = prefix[n] * double(c) / double(threads);
+    bounds[c] = std::lower_bound(prefix.begin(), prefix.end(), target) - prefix.begin();
+  }
+  parallel_tasks(threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      if (bounds[c + 1] > bounds[c]) f(bounds[c], bounds[c + 1]);
+  });
+}
+
 // The largest of s[0, n); four chains hide the max instruction's latency.
 template <typename T>
 inline T row_max(const T* s, int64_t n) {
@@ -802,8 +827,12 @@ class VecForwardProducts {
   }
 
   // S (m x round_up(n, kCols), row stride ld) = scale Q K[j0, j0 + n)^T, K of kv head hk;
-  // j0 on a panel boundary, a product per panel.
-  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  // j0 on a panel boundary, a product per panel. Row r needs only the scores of
+  // keys [j0, j0 + reach + r) (causal or a window's right side; the driver
+  // masks the rest): where a group of micro-kernel rows needs fewer columns
+  // than the tile has, its product stops at whole vectors past its last row's
+  // reach and leaves the rest of its rows unwritten.
+  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
     if (m_ <= kDirectRows) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
@@ -818,19 +847,38 @@ class VecForwardProducts {
         cache_.mark(cache_.k, slot);
       }
       const int64_t w = std::min(panel_, ld - c);  // the last panel's columns up to ld
-      gemm<T>(m_, w, E_, T(1), qt_.data(), E_, 1, kt, panel_, false, st + c, ld);
+      // columns [0, full) of the panel: every row's (whole gemm strips); past them, each row group's own
+      constexpr int64_t kStrip = kGemmVecs * kCols;
+      const int64_t full = std::clamp<int64_t>((reach - c) / kStrip * kStrip, 0, w);
+      gemm<T>(m_, full, E_, T(1), qt_.data(), E_, 1, kt, panel_, false, st + c, ld);
+      for (int64_t r0 = 0; full < w && r0 < m_; r0 += kGemmRows) {
+        const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
+        const int64_t cols = std::min(w, round_up(std::max<int64_t>(reach + r0 + rows - 1 - c, 0), kCols));
+        if (cols > full)
+          gemm<T>(rows, cols - full, E_, T(1), qt_.data() + r0 * E_, E_, 1, kt + full, panel_, false,
+                  st + r0 * ld + c + full, ld);
+      }
     }
   }
 
   // Row r of P is final (add_pv follows once every row is): at::vec reads P in place.
   void take_p_row(int64_t, const T*, int64_t) {}
 
-  // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n).
-  void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n) {
+  // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n); row r of P is 0
+  // past reach + r (scores()), so each row group's product stops at its last row's reach.
+  void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_ && m_ <= kDirectRows) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
-      if (v_direct_) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
+      if (v_direct_) {
+        if (reach >= n) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
+        for (int64_t r0 = 0; r0 < m_; r0 += kGemmRows) {
+          const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
+          const int64_t keys = std::clamp<int64_t>(reach + r0 + rows - 1, 0, n);
+          gemm<T>(rows, Evp_, keys, T(1), pt + r0 * ld, ld, 1, v_tile, p_->v_stride[2], true, ot + r0 * Evp_, Evp_);
+        }
+        return;
+      }
     }
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
@@ -1014,18 +1062,21 @@ void forward_driver(const AttnParams& p) {
       store_row(o_bh + (i0 + r) * ps.o_stride[2], ps.o_stride[3], ot + r * ldo, Ev, o_mul[r]);
   };
 
-  // Task t is query block qb of head h of batch b, kv-head-major: the query
-  // heads that share a key/value head are consecutive tasks (qb fastest, then
-  // the head within its group, then the batch), so a thread reads a kv head's
-  // keys and values (and packs its panels) once for the whole group while they
-  // are in its cache; and a thread's share is whole kv heads of every
-  // sequence, so packed sequences of different lengths split evenly.
+  // Task t is query block qb of head h of batch b. The query heads that share
+  // a key/value head are consecutive tasks (qb fastest, then the head within
+  // its group), so a thread reads a kv head's keys and values (and packs its
+  // panels) once for the whole group while they are in its cache. Dense:
+  // kv-head-major (then the batch), a thread's share whole kv heads. Packed:
+  // sequence-major (then the kv head), shared out by cost
+  // (parallel_tasks_balanced), so that a thread writes whole rows of the
+  // (total, H, Ev) output instead of every thread a few heads of each row.
+  const bool packed = p.cu_q != nullptr;
   struct Task {
     int64_t b, h, qb;
   };
   auto task_of = [&](int64_t t) {
-    const int64_t qb = t % n_qblocks, g = (t / n_qblocks) % group;
-    const int64_t b = (t / (n_qblocks * group)) % B, hk = t / (n_qblocks * group * B);
+    const int64_t qb = t % n_qblocks, g = (t / n_qblocks) % group, outer = t / (n_qblocks * group);
+    const int64_t b = packed ? outer / p.Hkv : outer % B, hk = packed ? outer % p.Hkv : outer / B;
     return Task{b, hk * group + g, qb};
   };
 
@@ -1037,7 +1088,7 @@ void forward_driver(const AttnParams& p) {
   // decoding step: its buffers are zero-filled on every call). Whole 16-row
   // tiles, which AMX products write.
   const int64_t tile_rows = std::min(q_block, round_up(std::max<int64_t>(p.L, 1), 16));
-  parallel_tasks(n_tasks * splits, grain, [&](int64_t begin, int64_t end) {
+  auto run_items = [&](int64_t begin, int64_t end) {
     Products products(p, tile_rows, panel, kv_block);
     SequenceViews<scalar_t, AttnParams> views(p);
     const int64_t ldo = products.out_ld();
@@ -1069,10 +1120,15 @@ void forward_driver(const AttnParams& p) {
       std::fill(row_m, row_m + m, kNegInf);
       std::fill(row_l, row_l + m, T(0));
 
+      // Row i0 + r sees keys below i0 + r + right_end (causal, a window's right side); none of its own
+      // past them is computed (the products' reach).
+      const int64_t right = right_reach(ps);
+      const int64_t right_end = right >= 0 ? ps.causal_offset + right + 1 : ps.S;
       for (int64_t j0 = j_first; j0 < j_stop; j0 += kv_block) {
         const int64_t n = std::min(kv_block, j_stop - j0);
         const int64_t np = round_up(n, kCols);
-        products.scores(st.data(), np, b, hk, j0, n);
+        const int64_t reach = right >= 0 ? std::min(n, i0 + right_end - j0) : n;
+        products.scores(st.data(), np, b, hk, j0, n, reach);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -1097,7 +1153,7 @@ void forward_driver(const AttnParams& p) {
           }
           products.take_p_row(r, s, n);
         }
-        if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n);
+        if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n, reach);
       }
 
       if (splits > 1) {  // leave the partial results for the merge below
@@ -1118,7 +1174,7 @@ void forward_driver(const AttnParams& p) {
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
         const bool seen = j0 + n > kv_begin && j0 < kv_end;
-        if (seen) products.scores(st.data(), np, b, hk, j0, n);
+        if (seen) products.scores(st.data(), np, b, hk, j0, n, n);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -1133,7 +1189,23 @@ void forward_driver(const AttnParams& p) {
         }
       }
     }
-  });
+  };
+  if (packed && grain == 1) {
+    // A task's cost: its rows times the keys they span, plus a per-row part (loading Q, writing O).
+    std::vector<double> cost(n_tasks, 0.0);
+    for (int64_t b = 0; b < B; ++b) {
+      const AttnParams s = sequence_view<scalar_t>(p, b);
+      for (int64_t qb = 0; qb * q_block < s.L; ++qb) {
+        const int64_t i0 = qb * q_block, m = std::min(q_block, s.L - i0);
+        const int64_t keys = std::max<int64_t>(visible_key_range(s, i0 + m - 1).end -
+                                                   visible_key_range(s, i0).begin, 0);
+        for (int64_t h = 0; h < Hq; ++h) cost[(b * Hq + h) * n_qblocks + qb] = double(m) * double(keys + 2 * Ev);
+      }
+    }
+    parallel_tasks_balanced(cost, run_items);
+  } else {
+    parallel_tasks(n_tasks * splits, grain, run_items);
+  }
   if (splits == 1) return;
 
   // Split-KV merge: each row's splits weighted by exp(m_s - max), a NaN in any split kept.
@@ -1211,10 +1283,10 @@ class VecBackwardProducts {
   // The sequence the next calls read (sequence_view; the batch itself when dense).
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
-  // Keys and values [j0, j0 + n) of kv head hk.
+  // Keys and values [j0, j0 + n) of kv head hk; the tiles' row stride is round_up(n, kCols).
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
     n_ = n;
-    np_ = round_up(n, kCols);
+    np_ = ld_ = round_up(n, kCols);
     const scalar_t* k_tile = row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0);
     pack_transposed(kt_.data(), np_, k_tile, p_->k_stride[2], p_->k_stride[3], n, E_);
     for (int64_t j = 0; j < n; ++j)
@@ -1236,23 +1308,29 @@ class VecBackwardProducts {
       load_row(dot_.data() + r * Evp_, do_rows + r * p_->do_stride[2], Ev_, p_->do_stride[3], T(1), Evp_);
   }
 
-  // st (m x np, row stride np) = (scale Q) K^T.
-  void scores(T* st) { gemm<T>(m_, np_, E_, T(1), qt_.data(), Ep_, 1, kt_.data(), np_, false, st, np_); }
+  // The next products take only the first n keys of the loaded block (the query block sees no more).
+  void narrow(int64_t n) {
+    n_ = n;
+    np_ = round_up(n, kCols);
+  }
+
+  // st (m x np, row stride ld) = (scale Q) K^T.
+  void scores(T* st) { gemm<T>(m_, np_, E_, T(1), qt_.data(), Ep_, 1, kt_.data(), ld_, false, st, ld_); }
   // dst (m x np) = dO V^T.
-  void grad_probs(T* dst) { gemm<T>(m_, np_, Ev_, T(1), dot_.data(), Evp_, 1, vt_.data(), np_, false, dst, np_); }
+  void grad_probs(T* dst) { gemm<T>(m_, np_, Ev_, T(1), dot_.data(), Evp_, 1, vt_.data(), ld_, false, dst, ld_); }
   // dv (n x Evp) += Z^T dO, Z (m x np).
-  void add_dv(T* dv, const T* z) { gemm<T>(n_, Evp_, m_, T(1), z, 1, np_, dot_.data(), Evp_, true, dv, Evp_); }
+  void add_dv(T* dv, const T* z) { gemm<T>(n_, Evp_, m_, T(1), z, 1, ld_, dot_.data(), Evp_, true, dv, Evp_); }
   // dq (m x Ep) += scale dS K.
-  void add_dq(T* dq, const T* ds) { gemm<T>(m_, Ep_, n_, scale_, ds, np_, 1, kn_.data(), Ep_, true, dq, Ep_); }
+  void add_dq(T* dq, const T* ds) { gemm<T>(m_, Ep_, n_, scale_, ds, ld_, 1, kn_.data(), Ep_, true, dq, Ep_); }
   // dk (n x Ep) += dS^T (scale Q).
-  void add_dk(T* dk, const T* ds) { gemm<T>(n_, Ep_, m_, T(1), ds, 1, np_, qt_.data(), Ep_, true, dk, Ep_); }
+  void add_dk(T* dk, const T* ds) { gemm<T>(n_, Ep_, m_, T(1), ds, 1, ld_, qt_.data(), Ep_, true, dk, Ep_); }
 
  private:
   const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep_, Evp_;
   const bool from_probs_;
   const T scale_;
-  int64_t m_ = 0, n_ = 0, np_ = 0;
+  int64_t m_ = 0, n_ = 0, np_ = 0, ld_ = 0;
   std::vector<T> qt_, dot_, kt_, kn_, vt_;
 };
 
@@ -1345,7 +1423,10 @@ void backward_driver(const AttnBwdParams& p) {
   Buffer<T> dq_partial(chunks > 1 ? heads * chunks * dq_size : 0);
   const T dq_mul = Products::dq_scale(p), dk_mul = Products::dk_scale(p);
 
-  parallel_tasks(heads * chunks, 1, [&](int64_t begin, int64_t end) {
+  // Task (b, hk, chunk): kv-head-major when dense (a thread's share whole kv
+  // heads); sequence-major when packed, shared out by cost as the forward's.
+  const bool packed = p.cu_q != nullptr && chunks == 1;
+  auto run_tasks = [&](int64_t begin, int64_t end) {
     Products products(p, q_block, kv_block);
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     const T unscaled = Products::unscaled(p);              // scores() leaves S divided by this
@@ -1360,20 +1441,26 @@ void backward_driver(const AttnBwdParams& p) {
     if (p.dmask != nullptr)
       dmask = static_cast<T*>(p.dmask) + (p.dmask_per_thread ? at::get_thread_num() * p.dmask_numel : 0);
 
-    for (int64_t task = begin; task < end; ++task) {  // head-major, as the forward's
+    for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks;
-      const int64_t b = (task / chunks) % B;
-      const int64_t hk = task / (chunks * B);
+      const int64_t b = packed ? task / Hkv : (task / chunks) % B;
+      const int64_t hk = packed ? task % Hkv : task / (chunks * B);
       const AttnBwdParams& ps = views.of(b);
       products.bind(ps);
       T* dq_acc = chunks == 1 ? dq_own.data() : dq_partial.data() + task * dq_size;
-      std::fill(dq_acc, dq_acc + dq_size, T(0));
+      // the rows of this sequence's query group (L apart), and the tile of rows after them
+      // that padded products may touch; the longest sequence's L when packed
+      for (int64_t g = 0; g < group; ++g)
+        std::fill(dq_acc + g * L * Ep, dq_acc + std::min(g * L + ps.L + kCols + q_block, group * L + kCols) * Ep,
+                  T(0));
 
       for (int64_t blk = chunk; blk * kv_block < ps.S; blk += chunks) {
         const int64_t j0 = blk * kv_block;
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
         const KeyRange rows = visible_row_range(ps, j0, j0 + n);
+        const int64_t right = right_reach(ps);
+        const int64_t right_end = ps.causal_offset + right + 1;  // row i sees keys below i + right_end
         std::fill(dk_acc.begin(), dk_acc.end(), T(0));
         std::fill(dv_acc.begin(), dv_acc.end(), T(0));
         if (rows.end > rows.begin) products.load_kv(b, hk, j0, n);
@@ -1382,6 +1469,11 @@ void backward_driver(const AttnBwdParams& p) {
           const int64_t h = hk * group + g;
           for (int64_t i0 = rows.begin; i0 < rows.end; i0 += q_block) {  // the rows that see the keys, no more
             const int64_t m = std::min(q_block, rows.end - i0);
+            // the keys the block's last row sees (causal, a window's right side): those past them
+            // take no product; the tiles keep their row stride np
+            const int64_t nq = right >= 0 ? std::clamp<int64_t>(i0 + m - 1 + right_end - j0, 1, n) : n;
+            const int64_t npq = round_up(nq, kCols);
+            products.narrow(nq);
             products.load_q(b, h, i0, m);
             // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
             products.scores(pt.data());
@@ -1389,7 +1481,7 @@ void backward_driver(const AttnBwdParams& p) {
               for (int64_t r = 0; r < m; ++r)
                 load_row(dst.data() + r * np,
                          row_at<scalar_t>(ps.dprobs, ps.dprobs_stride, b, h, i0 + r) + j0 * ps.dprobs_stride[3],
-                         n, ps.dprobs_stride[3], T(1), np);
+                         nq, ps.dprobs_stride[3], T(1), npq);
             } else {
               products.grad_probs(dst.data());
             }
@@ -1402,31 +1494,31 @@ void backward_driver(const AttnBwdParams& p) {
               const int64_t row = lse_index(ps, b, h, i);
               const T row_lse = lse[row];
               if (row_lse == kNegInf) {  // fully masked row: no probability, no gradient
-                std::fill(s, s + np, T(0));
-                std::fill(ds, ds + np, T(0));
-                if (dropout) std::fill(zt.data() + r * np, zt.data() + (r + 1) * np, T(0));
+                std::fill(s, s + npq, T(0));
+                std::fill(ds, ds + npq, T(0));
+                if (dropout) std::fill(zt.data() + r * np, zt.data() + r * np + npq, T(0));
                 continue;
               }
-              const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled, t);
-              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, n, np, row_lse, f, b, h,
+              const T f = score_row<scalar_t, T>(ps, s, nq, npq, b, h, i, j0, unscaled, t);
+              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nq, npq, row_lse, f, b, h,
                                 i, j0);
               // dS = P (dP - D); through the softcap times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2,
               // in the same pass unless the mask's gradient takes dS in between
               const Vec d(delta[row]), one(T(1));
               if (softcap && dmask == nullptr) {
-                for (int64_t j = 0; j < np; j += VS) {
+                for (int64_t j = 0; j < npq; j += VS) {
                   const Vec tj = Vec::loadu(t + j);
                   (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d) * (one - tj * tj)).store(ds + j);
                 }
               } else {
-                for (int64_t j = 0; j < np; j += VS)
+                for (int64_t j = 0; j < npq; j += VS)
                   (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
                 if (dmask != nullptr) {
                   T* dm = dmask + b * ps.dmask_stride[0] + h * ps.dmask_stride[1] + i * ps.dmask_stride[2] +
                           j0 * ps.dmask_stride[3];
-                  for (int64_t j = 0; j < n; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
+                  for (int64_t j = 0; j < nq; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
                 }
-                for (int64_t j = 0; softcap && j < np; j += VS) {
+                for (int64_t j = 0; softcap && j < npq; j += VS) {
                   const Vec tj = Vec::loadu(t + j);
                   (Vec::loadu(ds + j) * (one - tj * tj)).store(ds + j);
                 }
@@ -1455,7 +1547,24 @@ void backward_driver(const AttnBwdParams& p) {
           store_row(dq_bh + i * ps.dq_stride[2], ps.dq_stride[3], dq_acc + (g * L + i) * Ep, E, dq_mul);
       }
     }
-  });
+  };
+  if (packed) {
+    // A task's cost: the (query, key) pairs its query group sees, plus a per-row and per-key part.
+    std::vector<double> cost(heads, 0.0);
+    for (int64_t b = 0; b < B; ++b) {
+      const AttnBwdParams s = sequence_view<scalar_t>(p, b);
+      double pairs = 0;
+      for (int64_t i = 0; i < s.L; ++i) {
+        const KeyRange keys = visible_key_range(s, i);
+        pairs += double(std::max<int64_t>(keys.end - keys.begin, 0));
+      }
+      const double c = double(group) * (pairs + 2.0 * double(s.L) * double(E + Ev)) + 2.0 * double(s.S) * double(E + Ev);
+      for (int64_t hk = 0; hk < Hkv; ++hk) cost[b * Hkv + hk] = c;
+    }
+    parallel_tasks_balanced(cost, run_tasks);
+  } else {
+    parallel_tasks(heads * chunks, 1, run_tasks);
+  }
   if (chunks == 1) return;
 
   // dQ = the sum of the chunks' partial sums, row by row.

@@ -218,7 +218,7 @@ class Bf16BackwardProducts {
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    narrow(n);
+    narrow(n, n);
     ld16_ = n16_;  // the row stride of the driver's score tiles
     const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
@@ -243,8 +243,9 @@ class Bf16BackwardProducts {
     amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
   }
 
-  // The next products take only the first n keys of the loaded block (the query block sees no more).
-  void narrow(int64_t n) {
+  // The next products take only the first n keys of the loaded block (the query block sees no
+  // more); every row's, whatever its reach (the driver makes P and dS 0 past it).
+  void narrow(int64_t n, int64_t /*reach*/) {
     n_ = n;
     n16_ = round_up(n, 16);
     n32_ = round_up(n, 32);

@@ -1132,17 +1132,20 @@ void forward_driver(const AttnParams& p) {
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
-          const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled);
-          const T m_new = cap_is_max ? static_cast<T>(ps.softcap) : std::max(row_m[r], row_max(s, np) * f);
+          // the row's keys end by its reach (reach + r): its columns past them are P = 0
+          const int64_t nr = std::clamp<int64_t>(reach + r, 0, n), npr = round_up(nr, kCols);
+          std::fill(s + npr, s + np, T(0));
+          const T f = score_row<scalar_t, T>(ps, s, nr, npr, b, h, i, j0, unscaled);
+          const T m_new = cap_is_max ? static_cast<T>(ps.softcap) : std::max(row_m[r], row_max(s, npr) * f);
           if (m_new == kNegInf) {  // no visible key yet in this row, or NaN scores only
-            if (std::any_of(s, s + n, [](T x) { return std::isnan(x); }))
+            if (std::any_of(s, s + nr, [](T x) { return std::isnan(x); }))
               row_l[r] = std::numeric_limits<T>::quiet_NaN();  // the NaN reaches lse and the output
-            std::fill(s, s + np, T(0));
+            std::fill(s, s + npr, T(0));
             products.take_p_row(r, s, n);
             continue;
           }
           const T correction = std::exp(row_m[r] - m_new);  // 0 when row_m was -inf
-          row_l[r] = row_l[r] * correction + exp_shift_sum(s, np, m_new, f);
+          row_l[r] = row_l[r] * correction + exp_shift_sum(s, npr, m_new, f);
           row_m[r] = m_new;
           if (write_probs) continue;
           if (correction != T(1)) scale_row(ot.data() + r * ldo, ldo, correction);
@@ -1308,29 +1311,65 @@ class VecBackwardProducts {
       load_row(dot_.data() + r * Evp_, do_rows + r * p_->do_stride[2], Ev_, p_->do_stride[3], T(1), Evp_);
   }
 
-  // The next products take only the first n keys of the loaded block (the query block sees no more).
-  void narrow(int64_t n) {
+  // The next products take only the first n keys of the loaded block, and row r of
+  // the query block only keys below reach + r (causal, a window's right side):
+  // past them S and dP are left unwritten and the driver makes P and dS 0.
+  void narrow(int64_t n, int64_t reach) {
     n_ = n;
     np_ = round_up(n, kCols);
+    reach_ = reach;
   }
 
   // st (m x np, row stride ld) = (scale Q) K^T.
-  void scores(T* st) { gemm<T>(m_, np_, E_, T(1), qt_.data(), Ep_, 1, kt_.data(), ld_, false, st, ld_); }
+  void scores(T* st) { row_products(st, qt_.data(), Ep_, E_, kt_.data()); }
   // dst (m x np) = dO V^T.
-  void grad_probs(T* dst) { gemm<T>(m_, np_, Ev_, T(1), dot_.data(), Evp_, 1, vt_.data(), ld_, false, dst, ld_); }
+  void grad_probs(T* dst) { row_products(dst, dot_.data(), Evp_, Ev_, vt_.data()); }
   // dv (n x Evp) += Z^T dO, Z (m x np).
-  void add_dv(T* dv, const T* z) { gemm<T>(n_, Evp_, m_, T(1), z, 1, ld_, dot_.data(), Evp_, true, dv, Evp_); }
+  void add_dv(T* dv, const T* z) { key_products(dv, Evp_, z, dot_.data(), T(1)); }
   // dq (m x Ep) += scale dS K.
-  void add_dq(T* dq, const T* ds) { gemm<T>(m_, Ep_, n_, scale_, ds, ld_, 1, kn_.data(), Ep_, true, dq, Ep_); }
+  void add_dq(T* dq, const T* ds) {
+    if (reach_ >= n_) return gemm<T>(m_, Ep_, n_, scale_, ds, ld_, 1, kn_.data(), Ep_, true, dq, Ep_);
+    for (int64_t r0 = 0; r0 < m_; r0 += kGemmRows) {  // each row group up to its last row's keys
+      const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
+      const int64_t keys = std::clamp<int64_t>(reach_ + r0 + rows - 1, 0, n_);
+      gemm<T>(rows, Ep_, keys, scale_, ds + r0 * ld_, ld_, 1, kn_.data(), Ep_, true, dq + r0 * Ep_, Ep_);
+    }
+  }
   // dk (n x Ep) += dS^T (scale Q).
-  void add_dk(T* dk, const T* ds) { gemm<T>(n_, Ep_, m_, T(1), ds, 1, ld_, qt_.data(), Ep_, true, dk, Ep_); }
+  void add_dk(T* dk, const T* ds) { key_products(dk, Ep_, ds, qt_.data(), T(1)); }
 
  private:
+  // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld): the columns
+  // every row needs in whole gemm strips, then each row group's up to its last row's reach.
+  void row_products(T* c, const T* a, int64_t lda, int64_t K, const T* b) {
+    constexpr int64_t kStrip = kGemmVecs * kCols;
+    const int64_t full = reach_ >= n_ ? np_ : std::clamp<int64_t>(reach_ / kStrip * kStrip, 0, np_);
+    gemm<T>(m_, full, K, T(1), a, lda, 1, b, ld_, false, c, ld_);
+    for (int64_t r0 = 0; full < np_ && r0 < m_; r0 += kGemmRows) {
+      const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
+      const int64_t cols = std::min(np_, round_up(std::clamp<int64_t>(reach_ + r0 + rows - 1, 0, n_), kCols));
+      if (cols > full)
+        gemm<T>(rows, cols - full, K, T(1), a + r0 * lda, lda, 1, b + full, ld_, false, c + r0 * ld_ + full, ld_);
+    }
+  }
+
+  // c (n x N) += x^T y for x (m x np, row stride ld), y (m x N): each key group's sum
+  // starts at the first row that sees its first key.
+  void key_products(T* c, int64_t N, const T* x, const T* y, T alpha) {
+    if (reach_ >= n_) return gemm<T>(n_, N, m_, alpha, x, 1, ld_, y, N, true, c, N);
+    for (int64_t k0 = 0; k0 < n_; k0 += kGemmRows) {
+      const int64_t keys = std::min<int64_t>(kGemmRows, n_ - k0);
+      const int64_t first = std::clamp<int64_t>(k0 - reach_ + 1, 0, m_);
+      if (first < m_)
+        gemm<T>(keys, N, m_ - first, alpha, x + first * ld_ + k0, 1, ld_, y + first * N, N, true, c + k0 * N, N);
+    }
+  }
+
   const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep_, Evp_;
   const bool from_probs_;
   const T scale_;
-  int64_t m_ = 0, n_ = 0, np_ = 0, ld_ = 0;
+  int64_t m_ = 0, n_ = 0, np_ = 0, ld_ = 0, reach_ = 0;
   std::vector<T> qt_, dot_, kt_, kn_, vt_;
 };
 
@@ -1471,9 +1510,10 @@ void backward_driver(const AttnBwdParams& p) {
             const int64_t m = std::min(q_block, rows.end - i0);
             // the keys the block's last row sees (causal, a window's right side): those past them
             // take no product; the tiles keep their row stride np
-            const int64_t nq = right >= 0 ? std::clamp<int64_t>(i0 + m - 1 + right_end - j0, 1, n) : n;
+            const int64_t reach = right >= 0 ? i0 + right_end - j0 : n;  // row i0 + r sees keys below reach + r
+            const int64_t nq = std::clamp<int64_t>(reach + m - 1, 1, n);
             const int64_t npq = round_up(nq, kCols);
-            products.narrow(nq);
+            products.narrow(nq, reach);
             products.load_q(b, h, i0, m);
             // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
             products.scores(pt.data());
@@ -1499,26 +1539,31 @@ void backward_driver(const AttnBwdParams& p) {
                 if (dropout) std::fill(zt.data() + r * np, zt.data() + r * np + npq, T(0));
                 continue;
               }
-              const T f = score_row<scalar_t, T>(ps, s, nq, npq, b, h, i, j0, unscaled, t);
-              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nq, npq, row_lse, f, b, h,
+              // the row's keys end by its reach: past them P, Z and dS are 0 (S and dP may be unwritten)
+              const int64_t nr = std::clamp<int64_t>(reach + r, 0, nq), npr = round_up(nr, kCols);
+              std::fill(s + npr, s + npq, T(0));
+              std::fill(ds + npr, ds + npq, T(0));
+              if (dropout) std::fill(zt.data() + r * np + npr, zt.data() + r * np + npq, T(0));
+              const T f = score_row<scalar_t, T>(ps, s, nr, npr, b, h, i, j0, unscaled, t);
+              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nr, npr, row_lse, f, b, h,
                                 i, j0);
               // dS = P (dP - D); through the softcap times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2,
               // in the same pass unless the mask's gradient takes dS in between
               const Vec d(delta[row]), one(T(1));
               if (softcap && dmask == nullptr) {
-                for (int64_t j = 0; j < npq; j += VS) {
+                for (int64_t j = 0; j < npr; j += VS) {
                   const Vec tj = Vec::loadu(t + j);
                   (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d) * (one - tj * tj)).store(ds + j);
                 }
               } else {
-                for (int64_t j = 0; j < npq; j += VS)
+                for (int64_t j = 0; j < npr; j += VS)
                   (Vec::loadu(s + j) * (Vec::loadu(ds + j) - d)).store(ds + j);
                 if (dmask != nullptr) {
                   T* dm = dmask + b * ps.dmask_stride[0] + h * ps.dmask_stride[1] + i * ps.dmask_stride[2] +
                           j0 * ps.dmask_stride[3];
-                  for (int64_t j = 0; j < nq; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
+                  for (int64_t j = 0; j < nr; ++j) dm[j * ps.dmask_stride[3]] += ds[j];
                 }
-                for (int64_t j = 0; softcap && j < npq; j += VS) {
+                for (int64_t j = 0; softcap && j < npr; j += VS) {
                   const Vec tj = Vec::loadu(t + j);
                   (Vec::loadu(ds + j) * (one - tj * tj)).store(ds + j);
                 }

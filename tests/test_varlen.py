@@ -278,6 +278,31 @@ def test_varlen_grads_equal_sdpa_on_each_sequence(device):
         assert rel_err(a, b) < (1e-12 if a.dtype == F64 else 1e-6), name
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("variant", [dict(is_causal=True), dict(window=(50, 7)),
+                                     dict(is_causal=True, causal_alignment="bottom_right")],
+                         ids=["causal", "window", "causal_bottom_right"])
+def test_varlen_uneven_lengths_shared_out_over_threads(device, variant, threads):
+    """One long sequence among short and empty ones: the CPU kernels share a packed batch's
+    tasks out by cost, one contiguous share per thread, so a share may end inside a sequence
+    (between its heads or query blocks); every thread count gives the reference's result."""
+    cfg = dict(lens_qk=([3, 700, 0, 130, 1, 64, 257], [5, 690, 4, 130, 1, 64, 257]), Hq=4, Hkv=2, **variant)
+    q, k, v, cu_q, cu_k, kw = _case("uneven", F64, device, seed=5, requires_grad=True, cfg=cfg)
+    g = torch.randn(q.shape[:-1] + (v.size(-1),), generator=make_generator(9), dtype=F64).to(device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = varlen(q, k, v, cu_q, cu_k, **kw)
+        got = torch.autograd.grad(out, (q, k, v), g)
+    finally:
+        torch.set_num_threads(before)
+    r = [leaf64(t) for t in (q, k, v)]
+    r_out, _ = varlen_attention_reference(r[0], r[1], r[2], cu_q, cu_k, **kw)
+    assert rel_err(out, r_out) < 1e-11
+    for name, a, e in zip(["query", "key", "value"], got, torch.autograd.grad(r_out, r, g)):
+        assert rel_err(a, e) < 1e-11, name
+
+
 # Tiny float64 problems: lengths 0 to 3, an empty key sequence, L_b != S_b.
 GRADCHECK_CASES = {
     "plain": dict(),

@@ -134,3 +134,106 @@ def test_compiled_call_without_gradients(device):
     with torch.no_grad():
         torch.testing.assert_close(fn(q, k, v), attn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=True),
                                    rtol=0, atol=0)
+
+
+class _CountingCallBoxed:
+    """Stands in for ops._call_boxed and counts the calls that took it."""
+
+    calls = 0
+
+    def __call__(self, handle, *args):
+        type(self).calls += 1
+        return torch._C._dispatch_call_boxed(handle, *args)
+
+
+class _SeenOps:
+    """The attn_ext operators a mode saw, by name."""
+
+    def __init__(self):
+        self.names = []
+
+    def note(self, func):
+        name = str(func)
+        if name.startswith("attn_ext."):
+            self.names.append(name)
+
+
+class _FunctionModeSpy(torch.overrides.TorchFunctionMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.note(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchModeSpy(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.note(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _FunctionSubclass(torch.Tensor):
+    """A tensor subclass whose __torch_function__ records the attn_ext ops it is passed to."""
+
+    seen = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.note(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _expected(q, k, v):
+    call = ops._Call(q, k, v, None, 0.0, True, None, True, "top_left")
+    with torch.no_grad():
+        return torch.ops.attn_ext.attention_forward(call.q, call.k, call.v, *call.op_args())[0]
+
+
+def _call(q, k, v):
+    with torch.no_grad():
+        return attn_ext.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_plain_calls_go_straight_to_the_dispatcher(device, monkeypatch):
+    monkeypatch.setattr(_CountingCallBoxed, "calls", 0)
+    monkeypatch.setattr(ops, "_call_boxed", _CountingCallBoxed())
+    q, k, v = _qkv(device)
+    assert torch.equal(_call(q, k, v), _expected(q, k, v))
+    probs = attn_ext.attention_probs(q, k, enable_gqa=True)
+    out, probs_too = ops.attention_and_probs(q, k, v, enable_gqa=True)
+    assert torch.equal(probs, probs_too) and torch.allclose(probs @ v.repeat_interleave(2, 1), out, atol=1e-6)
+    assert _CountingCallBoxed.calls == 4  # the plain call, attention_probs, and attention_and_probs' two ops
+
+
+def test_modes_and_subclasses_still_see_the_op(device, monkeypatch):
+    """The direct dispatcher call skips only the overload's own __torch_function__
+    check: a torch-function mode or a subclass with __torch_function__ takes
+    op(*args) and sees the op; a dispatch mode sees it either way."""
+    monkeypatch.setattr(_CountingCallBoxed, "calls", 0)
+    monkeypatch.setattr(ops, "_call_boxed", _CountingCallBoxed())
+    q, k, v = _qkv(device)
+    expected = _expected(q, k, v)
+
+    seen = _SeenOps()
+    with _FunctionModeSpy(seen):
+        out = _call(q, k, v)
+    assert torch.equal(out, expected) and seen.names == ["attn_ext.attention_forward.default"]
+    assert _CountingCallBoxed.calls == 0
+
+    seen = _SeenOps()
+    with _DispatchModeSpy(seen):
+        out = _call(q, k, v)
+    assert torch.equal(out, expected) and seen.names == ["attn_ext.attention_forward.default"]
+    assert _CountingCallBoxed.calls == 1
+
+    seen = _SeenOps()
+    monkeypatch.setattr(_FunctionSubclass, "seen", seen)
+    out = _call(q.as_subclass(_FunctionSubclass), k, v)
+    assert torch.equal(out.as_subclass(torch.Tensor), expected)
+    assert seen.names == ["attn_ext.attention_forward.default"] and _CountingCallBoxed.calls == 1

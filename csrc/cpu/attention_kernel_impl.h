@@ -228,6 +228,44 @@ void gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t a_rs, in
   for (; n < N; n += VS) gemm_strip<T, 1>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
 }
 
+// Products whose row r needs only its first reach + r columns (causal, a
+// window's right side), reach counted from column 0 of the product (it may be
+// negative or past the end). `valid` of the N columns are real (the rest pad
+// to the vector width); reach >= valid means every row needs every column.
+//
+// C (M x N, ldc) = A (M x K, row-major, lda) B (K x N, ldb), row r written up
+// to whole vectors past its reach: the columns every row needs in whole gemm
+// strips, then each micro-kernel row group's up to its last row's reach. The
+// rest of a row is left unwritten.
+template <typename T>
+void gemm_to_reach(int64_t M, int64_t N, int64_t valid, int64_t reach, int64_t K, const T* a, int64_t lda,
+                   const T* b, int64_t ldb, T* c, int64_t ldc) {
+  constexpr int64_t VS = Vectorized<T>::size();
+  constexpr int64_t kStrip = kGemmVecs * VS;
+  const int64_t full = reach >= valid ? N : std::clamp<int64_t>(reach / kStrip * kStrip, 0, N);
+  gemm<T>(M, full, K, T(1), a, lda, 1, b, ldb, false, c, ldc);
+  for (int64_t r0 = 0; full < N && r0 < M; r0 += kGemmRows) {
+    const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
+    const int64_t cols = std::min(N, round_up(std::clamp<int64_t>(reach + rows - 1 + r0, 0, valid), VS));
+    if (cols > full)
+      gemm<T>(rows, cols - full, K, T(1), a + r0 * lda, lda, 1, b + full, ldb, false, c + r0 * ldc + full, ldc);
+  }
+}
+
+// C (M x N, ldc) += alpha A (M x n, row-major, lda) B (n x N, ldb) where row r of A
+// is 0 past column reach + r: each micro-kernel row group sums only the rows of
+// B up to its last row's reach.
+template <typename T>
+void gemm_add_to_reach(int64_t M, int64_t N, int64_t n, int64_t reach, T alpha, const T* a, int64_t lda,
+                       const T* b, int64_t ldb, T* c, int64_t ldc) {
+  if (reach >= n) return gemm<T>(M, N, n, alpha, a, lda, 1, b, ldb, true, c, ldc);
+  for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
+    const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
+    const int64_t keys = std::clamp<int64_t>(reach + rows - 1 + r0, 0, n);
+    if (keys > 0) gemm<T>(rows, N, keys, alpha, a + r0 * lda, lda, 1, b, ldb, true, c + r0 * ldc, ldc);
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Row helpers (n is a multiple of the vector width)
 // ---------------------------------------------------------------------------
@@ -847,17 +885,7 @@ class VecForwardProducts {
         cache_.mark(cache_.k, slot);
       }
       const int64_t w = std::min(panel_, ld - c);  // the last panel's columns up to ld
-      // columns [0, full) of the panel: every row's (whole gemm strips); past them, each row group's own
-      constexpr int64_t kStrip = kGemmVecs * kCols;
-      const int64_t full = std::clamp<int64_t>((reach - c) / kStrip * kStrip, 0, w);
-      gemm<T>(m_, full, E_, T(1), qt_.data(), E_, 1, kt, panel_, false, st + c, ld);
-      for (int64_t r0 = 0; full < w && r0 < m_; r0 += kGemmRows) {
-        const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
-        const int64_t cols = std::min(w, round_up(std::max<int64_t>(reach + r0 + rows - 1 - c, 0), kCols));
-        if (cols > full)
-          gemm<T>(rows, cols - full, E_, T(1), qt_.data() + r0 * E_, E_, 1, kt + full, panel_, false,
-                  st + r0 * ld + c + full, ld);
-      }
+      gemm_to_reach<T>(m_, w, std::min(panel_, n - c), reach - c, E_, qt_.data(), E_, kt, panel_, st + c, ld);
     }
   }
 
@@ -870,15 +898,7 @@ class VecForwardProducts {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_ && m_ <= kDirectRows) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
-      if (v_direct_) {
-        if (reach >= n) return gemm<T>(m_, Evp_, n, T(1), pt, ld, 1, v_tile, p_->v_stride[2], true, ot, Evp_);
-        for (int64_t r0 = 0; r0 < m_; r0 += kGemmRows) {
-          const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
-          const int64_t keys = std::clamp<int64_t>(reach + r0 + rows - 1, 0, n);
-          gemm<T>(rows, Evp_, keys, T(1), pt + r0 * ld, ld, 1, v_tile, p_->v_stride[2], true, ot + r0 * Evp_, Evp_);
-        }
-        return;
-      }
+      if (v_direct_) return gemm_add_to_reach<T>(m_, Evp_, n, reach, T(1), pt, ld, v_tile, p_->v_stride[2], ot, Evp_);
     }
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
@@ -888,7 +908,7 @@ class VecForwardProducts {
           load_row(vt + j * Evp_, v_tile + (c + j) * p_->v_stride[2], Ev_, p_->v_stride[3], T(1), Evp_);
         cache_.mark(cache_.v, slot);
       }
-      gemm<T>(m_, Evp_, std::min(panel_, n - c), T(1), pt + c, ld, 1, vt, Evp_, true, ot, Evp_);
+      gemm_add_to_reach<T>(m_, Evp_, std::min(panel_, n - c), reach - c, T(1), pt + c, ld, vt, Evp_, ot, Evp_);
     }
   }
 
@@ -1327,30 +1347,14 @@ class VecBackwardProducts {
   // dv (n x Evp) += Z^T dO, Z (m x np).
   void add_dv(T* dv, const T* z) { key_products(dv, Evp_, z, dot_.data(), T(1)); }
   // dq (m x Ep) += scale dS K.
-  void add_dq(T* dq, const T* ds) {
-    if (reach_ >= n_) return gemm<T>(m_, Ep_, n_, scale_, ds, ld_, 1, kn_.data(), Ep_, true, dq, Ep_);
-    for (int64_t r0 = 0; r0 < m_; r0 += kGemmRows) {  // each row group up to its last row's keys
-      const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
-      const int64_t keys = std::clamp<int64_t>(reach_ + r0 + rows - 1, 0, n_);
-      gemm<T>(rows, Ep_, keys, scale_, ds + r0 * ld_, ld_, 1, kn_.data(), Ep_, true, dq + r0 * Ep_, Ep_);
-    }
-  }
+  void add_dq(T* dq, const T* ds) { gemm_add_to_reach<T>(m_, Ep_, n_, reach_, scale_, ds, ld_, kn_.data(), Ep_, dq, Ep_); }
   // dk (n x Ep) += dS^T (scale Q).
   void add_dk(T* dk, const T* ds) { key_products(dk, Ep_, ds, qt_.data(), T(1)); }
 
  private:
-  // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld): the columns
-  // every row needs in whole gemm strips, then each row group's up to its last row's reach.
+  // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld), each row up to its reach.
   void row_products(T* c, const T* a, int64_t lda, int64_t K, const T* b) {
-    constexpr int64_t kStrip = kGemmVecs * kCols;
-    const int64_t full = reach_ >= n_ ? np_ : std::clamp<int64_t>(reach_ / kStrip * kStrip, 0, np_);
-    gemm<T>(m_, full, K, T(1), a, lda, 1, b, ld_, false, c, ld_);
-    for (int64_t r0 = 0; full < np_ && r0 < m_; r0 += kGemmRows) {
-      const int64_t rows = std::min<int64_t>(kGemmRows, m_ - r0);
-      const int64_t cols = std::min(np_, round_up(std::clamp<int64_t>(reach_ + r0 + rows - 1, 0, n_), kCols));
-      if (cols > full)
-        gemm<T>(rows, cols - full, K, T(1), a + r0 * lda, lda, 1, b + full, ld_, false, c + r0 * ld_ + full, ld_);
-    }
+    gemm_to_reach<T>(m_, np_, n_, reach_, K, a, lda, b, ld_, c, ld_);
   }
 
   // c (n x N) += x^T y for x (m x np, row stride ld), y (m x N): each key group's sum

@@ -470,6 +470,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                      window, softcap, alibi_slopes, sinks)
         args = (call.q, call.k, call.v, *call.op_args())
+    # the tensors among the arguments: query, key, value, mask, alibi_slopes and the sinks as given
     out, lse = _run(torch.ops.attn_ext.attention_forward.default, (*args[:4], args[12], sinks), *args)
     if call is not None:
         out, lse = call.unflatten(out), call.unflatten(lse)

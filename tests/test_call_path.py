@@ -157,6 +157,11 @@ class _SeenOps:
         if name.startswith("attn_ext."):
             self.names.append(name)
 
+    def run(self, func, args, kwargs):
+        """What a mode's handler does: note the op, then run it."""
+        self.note(func)
+        return func(*args, **(kwargs or {}))
+
 
 class _FunctionModeSpy(torch.overrides.TorchFunctionMode):
     def __init__(self, seen):
@@ -164,8 +169,7 @@ class _FunctionModeSpy(torch.overrides.TorchFunctionMode):
         self.seen = seen
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.note(func)
-        return func(*args, **(kwargs or {}))
+        return self.seen.run(func, args, kwargs)
 
 
 class _DispatchModeSpy(torch.utils._python_dispatch.TorchDispatchMode):
@@ -174,8 +178,7 @@ class _DispatchModeSpy(torch.utils._python_dispatch.TorchDispatchMode):
         self.seen = seen
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.note(func)
-        return func(*args, **(kwargs or {}))
+        return self.seen.run(func, args, kwargs)
 
 
 class _FunctionSubclass(torch.Tensor):

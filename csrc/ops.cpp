@@ -399,23 +399,23 @@ TORCH_LIBRARY(attn_ext, m) {
   // float32 (float64 for float64 inputs).
   m.def(
       "attention_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
-      "bool is_causal, int causal_offset, float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS
+      "bool is_causal, SymInt causal_offset, float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS
       ") -> (Tensor out, Tensor lse)");
   // Gradients of attention_forward's inputs; grad_mask is (0,) unless
   // compute_grad_mask, then it has attn_mask's shape; grad_sinks is (0,) without sinks.
   m.def(
       "attention_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, "
-      "Tensor out, Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, int causal_offset, "
+      "Tensor out, Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, SymInt causal_offset, "
       "float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS ", bool compute_grad_mask=False) -> (Tensor grad_query, "
       "Tensor grad_key, Tensor grad_value, Tensor grad_mask, Tensor grad_sinks)");
   // The explicit attention probabilities (B, Hq, L, S), with dropout applied
   // as attention_forward applies it (so probs @ value == out), and lse.
   m.def(
       "attention_probs(Tensor query, Tensor key, Tensor? attn_mask, float dropout_p, bool is_causal, "
-      "int causal_offset, float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS ") -> (Tensor probs, Tensor lse)");
+      "SymInt causal_offset, float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS ") -> (Tensor probs, Tensor lse)");
   m.def(
       "attention_probs_backward(Tensor grad_probs, Tensor? grad_lse, Tensor query, Tensor key, Tensor probs, "
-      "Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, int causal_offset, float scale, "
+      "Tensor lse, Tensor? attn_mask, float dropout_p, bool is_causal, SymInt causal_offset, float scale, "
       "Tensor? dropout_seed, " ATTN_EXT_VARIANTS ", bool compute_grad_mask=False) -> (Tensor grad_query, "
       "Tensor grad_key, Tensor grad_mask, Tensor grad_sinks)");
   // A packed batch: query (total_q, Hq, E), key (total_k, Hkv, E), value
@@ -424,11 +424,11 @@ TORCH_LIBRARY(attn_ext, m) {
   // each sequence's last query with its last key.
   m.def(
       "varlen_forward(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, float dropout_p, bool is_causal, bool bottom_right, float scale, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, bool is_causal, bool bottom_right, float scale, "
       "Tensor? dropout_seed, " ATTN_EXT_VARIANTS ") -> (Tensor out, Tensor lse)");
   m.def(
       "varlen_backward(Tensor grad_out, Tensor? grad_lse, Tensor query, Tensor key, Tensor value, Tensor out, "
-      "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float dropout_p, "
+      "Tensor lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, float dropout_p, "
       "bool is_causal, bool bottom_right, float scale, Tensor? dropout_seed, " ATTN_EXT_VARIANTS
       ") -> (Tensor grad_query, Tensor grad_key, Tensor grad_value, Tensor grad_sinks)");
 #undef ATTN_EXT_VARIANTS

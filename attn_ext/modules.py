@@ -34,6 +34,13 @@ class KVCache:
     autograd needs them, each step concatenates instead, so gradients flow
     through every cached step.
 
+    Under ``torch.compile`` the length is a symbolic size (the cache keeps it
+    in its tensors' shapes, the operators take ``causal_offset`` as a SymInt):
+    a decoding loop compiles a few graphs (the prefill, a step, a step that
+    doubles the buffers), not one per token, and a step writes the new token
+    into the buffer in place. ``capacity`` (no doubling) or
+    ``torch.compile(..., dynamic=True)`` (no first static graphs) make fewer.
+
     Args:
         capacity: tokens to reserve room for up front (0: grow on demand).
 
@@ -54,22 +61,26 @@ class KVCache:
 
     def reset(self):
         """Forget every cached token (e.g. before a new prompt)."""
-        self._key = None    # (N, Hkv, room, D)
-        self._value = None  # (N, Hkv, room, Dv)
-        self._len = 0
+        # The length lives in the views' shapes, not in a Python int: torch.compile
+        # specialises integers read from globals and module attributes (a recompile
+        # per step) but lets a tensor's changing size become symbolic.
+        self._key = None           # (N, Hkv, len, D): the cached keys; a view of _key_room without autograd
+        self._value = None         # (N, Hkv, len, Dv)
+        self._key_room = None      # (N, Hkv, room, D), room > len: the buffer that grows by doubling
+        self._value_room = None    # (N, Hkv, room, Dv)
 
     def __len__(self):
-        return self._len
+        return 0 if self._key is None else self._key.shape[2]
 
     @property
     def key(self):
         """(N, Hkv, len, D): the cached keys (a view), or None when empty."""
-        return None if self._key is None else self._key[:, :, : self._len]
+        return self._key
 
     @property
     def value(self):
         """(N, Hkv, len, Dv): the cached values (a view), or None when empty."""
-        return None if self._value is None else self._value[:, :, : self._len]
+        return self._value
 
     def check(self, key, value):
         """Raise if ``key`` (N, Hkv, n, D) / ``value`` (N, Hkv, n, Dv) cannot extend this cache."""
@@ -89,27 +100,32 @@ class KVCache:
     def append(self, key, value):
         """Append ``key`` (N, Hkv, n, D) and ``value`` (N, Hkv, n, Dv); return all keys and values."""
         self.check(key, value)
-        n, end = key.shape[2], self._len + key.shape[2]
+        length = len(self)
+        end = length + key.shape[2]
         if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad
                                         or (self._key is not None and self._key.requires_grad)):
             if self._key is None:
                 self._key, self._value = key, value
             else:
-                self._key = torch.cat([self.key, key], dim=2)
-                self._value = torch.cat([self.value, value], dim=2)
-        else:
-            if self._key is None or end > self._key.shape[2] or self._key.requires_grad:
-                room = max(end, 2 * self._len, self.capacity)
-                new_key = key.new_empty(key.shape[0], key.shape[1], room, key.shape[3])
-                new_value = value.new_empty(value.shape[0], value.shape[1], room, value.shape[3])
-                if self._len:
-                    new_key[:, :, : self._len].copy_(self.key)
-                    new_value[:, :, : self._len].copy_(self.value)
-                self._key, self._value = new_key, new_value
-            self._key[:, :, self._len : end].copy_(key)
-            self._value[:, :, self._len : end].copy_(value)
-        self._len = end
-        return self.key, self.value
+                self._key = torch.cat([self._key, key], dim=2)
+                self._value = torch.cat([self._value, value], dim=2)
+            self._key_room = self._value_room = None
+            return self._key, self._value
+        # One slot always stays free (end < room): the view is then never the
+        # whole buffer, so a compiled step needs no variant for a full one.
+        if self._key_room is None or end >= self._key_room.shape[2]:
+            room = max(end, 2 * length, self.capacity) + 1
+            key_room = key.new_empty(key.shape[0], key.shape[1], room, key.shape[3])
+            value_room = value.new_empty(value.shape[0], value.shape[1], room, value.shape[3])
+            if length:
+                key_room[:, :, :length].copy_(self._key)
+                value_room[:, :, :length].copy_(self._value)
+            self._key_room, self._value_room = key_room, value_room
+        self._key_room[:, :, length:end].copy_(key)
+        self._value_room[:, :, length:end].copy_(value)
+        self._key = self._key_room[:, :, :end]
+        self._value = self._value_room[:, :, :end]
+        return self._key, self._value
 
 
 def _keep_torch_fast_paths_off(module, args):

@@ -1,5 +1,8 @@
 """attn_ext's operators under torch.compile(fullgraph=True) and torch.export."""
 
+import math
+
+import pytest
 import torch
 
 import attn_ext
@@ -167,3 +170,85 @@ def test_variants_and_varlen_export_keep_the_operators_in_the_graph(device):
         assert any(op in t for t in targets), targets
         for a, b in zip(exported.module()(*args), module(*args)):
             assert rel_err(a, b) < 1e-6
+
+
+class _CountingInductor:
+    """torch.compile's default backend, counting the graphs it is given (one per compile)."""
+
+    def __init__(self):
+        self.graphs = 0
+        self._inductor = torch._dynamo.lookup_backend("inductor")
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self._inductor(gm, example_inputs)
+
+
+class _Decoder(torch.nn.Module):
+    """One attention layer that keeps its KVCache as an attribute (as model code often does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = attn_ext.MultiHeadAttention(32, 4, batch_first=True, num_kv_heads=2)
+        self.cache = attn_ext.KVCache()
+
+    def forward(self, x):
+        return self.attn(x, x, x, is_causal=True, need_weights=False, cache=self.cache)[0]
+
+
+@pytest.mark.parametrize("held", ["argument", "attribute"])
+def test_decoding_with_a_cache_compiles_a_few_times_not_once_per_step(device, held):
+    # Before the cache length became a tensor size and causal_offset a SymInt, every
+    # step recompiled (the length was a constant of the graph), and fullgraph=True
+    # raised once the recompile limit (8) was hit. Three prompts of 40 steps each:
+    # prefill, decode, and the steps that double the buffers all reuse their graphs.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Decoder().to(device).eval()
+    eager_cache = attn_ext.KVCache()
+    backend = _CountingInductor()
+    if held == "attribute":
+        cache, step = model.cache, torch.compile(model, backend=backend, fullgraph=True)
+    else:
+        cache = attn_ext.KVCache()
+        compiled = torch.compile(lambda x, c: model.attn(x, x, x, is_causal=True, need_weights=False, cache=c)[0],
+                                 backend=backend, fullgraph=True)
+        step = lambda x: compiled(x, cache)  # noqa: E731
+    with torch.no_grad():
+        for prompt in (7, 12, 5):
+            cache.reset()
+            eager_cache.reset()
+            x = torch.randn(2, prompt, 32, device=device)
+            moves, eager_moves, where, eager_where = 0, 0, None, None
+            for _ in range(40):
+                got = step(x)
+                want = model.attn(x, x, x, is_causal=True, need_weights=False, cache=eager_cache)[0]
+                assert rel_err(got, want) < 1e-5
+                assert len(cache) == len(eager_cache)
+                moves += cache._key_room.data_ptr() != where
+                eager_moves += eager_cache._key_room.data_ptr() != eager_where
+                where, eager_where = cache._key_room.data_ptr(), eager_cache._key_room.data_ptr()
+                x = torch.randn(2, 1, 32, device=device)
+            # appends write into the buffer in place; only a doubling moves it, as in eager
+            assert moves == eager_moves <= 2 + math.log2(len(cache) / prompt), (moves, eager_moves)
+    assert backend.graphs <= torch._dynamo.config.recompile_limit, backend.graphs
+
+
+def test_varlen_compiles_once_for_batches_of_changing_lengths(device):
+    # max_seqlen_q / max_seqlen_k are SymInts in the schema: a new longest sequence
+    # per batch makes them symbolic instead of recompiling every batch.
+    torch._dynamo.reset()
+    backend = _CountingInductor()
+
+    def packed(q, k, v, cu, max_len):
+        return attn_ext.varlen_attention(q, k, v, cu, cu, max_len, max_len, is_causal=True)
+
+    compiled = torch.compile(packed, backend=backend, fullgraph=True)
+    gen = make_generator(6)
+    for _ in range(5):
+        lens = torch.randint(3, 40, (3,), generator=gen)
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(device, torch.int32)
+        q, k, v = (torch.randn(int(lens.sum()), 4, 16, generator=gen).to(device) for _ in range(3))
+        max_len = int(lens.max())
+        assert rel_err(compiled(q, k, v, cu, max_len), packed(q, k, v, cu, max_len)) < 1e-6
+    assert backend.graphs <= 2, backend.graphs  # the first batch's static graph, then one symbolic

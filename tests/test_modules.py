@@ -559,6 +559,18 @@ def test_decoding_cache_reserves_grows_and_resets(device):
     assert len(cache) == 0 and cache.key is None
 
 
+def test_decoding_cache_appends_in_place_and_moves_only_to_double(device):
+    m = attn_ext.MultiHeadAttention(E, H, batch_first=True).to(device).eval()
+    for capacity, most_moves in ((0, 8), (100, 1)):  # 100 tokens: 1, 3, 5, 9, ... 129 slots; reserved: one
+        cache, moves, where = attn_ext.KVCache(capacity=capacity), 0, None
+        with torch.no_grad():
+            for t in torch.randn(1, 100, E, device=device).split(1, dim=1):
+                m(t, t, t, need_weights=False, is_causal=True, cache=cache)
+                moves += cache.key.data_ptr() != where
+                where = cache.key.data_ptr()
+        assert moves <= most_moves, f"capacity={capacity}: the keys moved {moves} times in 100 steps"
+
+
 # --------------------------------------------------------------------------- errors
 
 

@@ -16,6 +16,9 @@ d_model 128, 4 heads, context 128, float32): greedy tokens/s of
 
   ours cached       attn_ext.MultiHeadAttention with one KVCache per layer
                     (the example's generate(): a single-token call per token)
+  ours compiled     the same, the model under torch.compile (inductor); its
+                    graphs and the first generation's time (compiling) are
+                    reported beside (--no-compile skips it)
   ours recompute    the same model without a cache: every token runs the
                     whole window again
   torch recompute   the same weights in torch.nn.MultiheadAttention (it has
@@ -137,7 +140,18 @@ def greedy_recompute(model: nn.Module, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0) -> dict:
+class _CountingInductor:
+    """torch.compile's default backend, counting the graphs it compiles."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+
+def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0, compiled: bool = True) -> dict:
     gpt = load_char_gpt()
     if gpt is None:
         return {"skipped": f"{CHAR_GPT} not found (the model comparison runs from a source checkout)"}
@@ -159,6 +173,20 @@ def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0) -> dict:
         "ours recompute": lambda: greedy_recompute(ours, prompt, n_tokens),
         "torch recompute": lambda: greedy_recompute(theirs, prompt, n_tokens),
     }
+    compile_info = None
+    if compiled:
+        backend = _CountingInductor()
+        model = torch.compile(ours, backend=backend)
+        torch._dynamo.reset()
+        start = time.perf_counter()
+        try:
+            gpt.generate(model, prompt, n_tokens, temperature=0)
+        except Exception as exc:  # inductor needs a C++ compiler at run time
+            compile_info = {"skipped": f"torch.compile failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"}
+        else:
+            compile_info = {"first_generation_s": time.perf_counter() - start, "graphs": backend.graphs}
+            runs = {"ours cached": runs.pop("ours cached"),
+                    "ours compiled": lambda: gpt.generate(model, prompt, n_tokens, temperature=0), **runs}
     tokens = {name: fn() for name, fn in runs.items()}
     best = {name: float("inf") for name in runs}
     for _ in range(rounds):
@@ -171,7 +199,8 @@ def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0) -> dict:
                        "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "prompt_tokens": n_prompt,
                        "generated_tokens": n_tokens},
             "tokens_per_s": {name: n_tokens / t for name, t in best.items()},
-            "same_tokens": {name: toks == first for name, toks in tokens.items()}}
+            "same_tokens": {name: toks == first for name, toks in tokens.items()},
+            "compiled": compile_info}
 
 
 # ----------------------------------------------------------------------------
@@ -192,6 +221,7 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
                         "steps (docs/performance.md), so the default makes none")
     p.add_argument("--tokens", type=int, default=96, help="tokens the char GPT generates (default 96)")
     p.add_argument("--no-model", action="store_true", help="skip the char GPT's tokens/s")
+    p.add_argument("--no-compile", action="store_true", help="skip the char GPT under torch.compile")
     p.add_argument("--json", metavar="PATH", help="write every result to PATH")
     args = p.parse_args(argv)
     try:
@@ -241,7 +271,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
 
     model = None
     if not args.no_model:
-        model = time_char_gpt(args.tokens, max(1, args.rounds // 2))
+        model = time_char_gpt(args.tokens, max(1, args.rounds // 2), compiled=not args.no_compile)
         print()
         if "skipped" in model:
             print(f"char GPT: skipped: {model['skipped']}")
@@ -255,6 +285,12 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
                 ["generation", "tokens/s", "x torch recompute", "same tokens"],
                 [(name, common.fmt(tps), common.fmt(tps / base, 2), "yes" if model["same_tokens"][name] else "NO")
                  for name, tps in model["tokens_per_s"].items()], align="lrrl"))
+            compiled = model["compiled"]
+            if compiled and "skipped" in compiled:
+                print(f"ours compiled: skipped: {compiled['skipped']}")
+            elif compiled:
+                print(f"ours compiled: {compiled['graphs']} graphs for the whole generation (not one per token), "
+                      f"first generation {compiled['first_generation_s']:.1f} s with compiling")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": info, "args": vars(args) | {"dtypes": None}, "steps": steps, "char_gpt": model},

@@ -58,9 +58,10 @@ def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_asking_for_a_gpu_without_one_gives_one_line_and_exit_2():
-    rc, out, err = _run("check", "--device", "cuda")
-    assert rc == 2
-    assert "no CUDA device" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for args in (["check", "--device", "cuda"], ["bench", "--decode", "--device", "cuda"]):
+        rc, out, err = _run(*args)
+        assert rc == 2, args
+        assert "no CUDA device" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
 def test_bench_writes_a_table_json_and_plot(tmp_path):

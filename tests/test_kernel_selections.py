@@ -9,6 +9,8 @@ The CUDA kernels and what selects them (csrc/cuda/attention_cuda.cpp):
   by at most 1024 / 512 query rows) or long ones;
 - generic: float32, float64, and the half dtypes where the tensor cores do not apply
   (another head dim, softcap, ALiBi, sinks); dropout; masks; causal alignments;
+- split-KV (generic, float32/bfloat16/float16): calls whose tasks leave most SMs idle,
+  such as a decoding step over a long cache;
 - the explicit probabilities and packed batches (generic) are in
   `VARLEN_AND_PROBS`.
 On the CPU the same cases run the kernels attn_ext picks there (cheap; it keeps this
@@ -69,7 +71,20 @@ def _generic_cases():
     return cases
 
 
-CASES = {**_tensor_core_cases(), **_generic_cases()}
+def _split_kv_cases():
+    # Two query heads of one or three rows against 1100 keys: 4 splits of 320 keys on a GPU
+    base = dict(_BASE, E=64, Ev=64, S=1100)
+    return {
+        "split-kv-float32-decode": dict(base, dtype=torch.float32, L=1),
+        "split-kv-bfloat16-causal-bottom-right-window-sinks": dict(
+            base, dtype=torch.bfloat16, L=3, is_causal=True, causal_alignment="bottom_right", window=(600, 0),
+            sinks=True),
+        "split-kv-float16-float-mask-softcap-alibi": dict(base, dtype=torch.float16, L=2, mask=("float", [1, 2, 2, 1100]),
+                                                          softcap=30.0, alibi="batch_heads"),
+    }
+
+
+CASES = {**_tensor_core_cases(), **_generic_cases(), **_split_kv_cases()}
 
 
 def _expects_tensor_cores(name):
@@ -85,6 +100,9 @@ def test_kernel_selection(device, name):
         if "compute capability" in why:
             pytest.skip(f"this GPU runs no tensor-core kernels: {why}")
         assert not why, f"{name} was meant for the tensor-core kernels, which say: {why}"
+    if device == "cuda" and name.startswith("split-kv-"):
+        q, k, v, _, _ = _inputs(case)
+        assert torch.ops.attn_ext.split_kv_splits(q, k, v) > 1, f"{name} was meant for the split-KV kernels"
     _check(case)
 
 

@@ -308,7 +308,8 @@ def test_tensor_core_window_forward_and_grads_match_reference(device, case, dtyp
 # Split-KV: one head and a few query rows against thousands of keys leave threads
 # idle, so the CPU forward splits each task's keys among them and merges the
 # partial results through the log-sum-exp (4 threads here: 2-3 splits of up to
-# 512-key tiles). The same cases run on CUDA, which does not split.
+# 512-key tiles). On CUDA the same cases leave most SMs idle and split too
+# (float32 and bfloat16 alike, on the generic kernels: kernels.h, SplitKV).
 SPLIT_KV_CASES = {
     "decode": dict(B=1, Hq=1, L=1, S=3000, E=64, Ev=64),
     "causal_bottom_right_rows": dict(B=1, Hq=1, L=3, S=3000, E=64, Ev=64, is_causal=True,
@@ -339,6 +340,20 @@ def test_split_kv_forward_and_grads_match_reference(device, case, dtype, four_th
     q, k, v, mask, kw = _case(case, dtype, device, seed=13, requires_grad=True, cfg=cfg)
     check_forward(q, k, v, mask, kw)
     check_backward(q, k, v, mask, kw, seed=13, lse_weight=True)
+
+
+def test_cuda_splits_the_keys_where_the_tasks_leave_sms_idle(device):
+    if device != "cuda":
+        pytest.skip("CUDA's split-KV plan (the CPU's depends on its threads: the tests above)")
+    for case, cfg in SPLIT_KV_CASES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, _, _ = _case(case, dtype, device, seed=13, cfg=cfg)
+            assert torch.ops.attn_ext.split_kv_splits(q, k, v) > 1, (case, dtype)
+    q, k, v, _, _ = _case("decode", torch.float64, device, seed=13, cfg=SPLIT_KV_CASES["decode"])
+    assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # float64 never splits
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    q, k, v, _, _ = _case("decode", torch.float32, device, seed=13, cfg=dict(B=sms, Hq=1, L=1, S=3000, E=64, Ev=64))
+    assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # a task per SM: nothing idle
 
 
 def test_split_kv_keeps_dropout_and_nan(device, four_threads):

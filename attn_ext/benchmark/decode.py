@@ -59,38 +59,45 @@ HEAD_DIM = 64
 CHAR_GPT = Path(__file__).resolve().parents[2] / "examples" / "char_gpt.py"
 
 
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
+def per_call_us(fn: Callable[[], object], calls: int, device: torch.device = torch.device("cpu")) -> float:
+    """µs per call of ``calls`` calls; on a GPU, from an idle stream until the last call has run."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(calls):
         fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def best_per_call(fns: dict[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, float]:
+def best_per_call(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
+                  device: torch.device = torch.device("cpu")) -> dict[str, float]:
     """Each function's best round, in µs per call, the functions called in alternation."""
     for fn in fns.values():
         fn()
     best = {name: float("inf") for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            best[name] = min(best[name], per_call_us(fn, calls))
+            best[name] = min(best[name], per_call_us(fn, calls, device))
     return best
 
 
 def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rounds: int,
-              gen: torch.Generator) -> dict:
+              gen: torch.Generator, device: torch.device = torch.device("cpu")) -> dict:
     import attn_ext
 
-    q = torch.randn(B, Hq, 1, E, generator=gen).to(dtype)
-    k = torch.randn(B, Hkv, S, E, generator=gen).to(dtype)
-    v = torch.randn(B, Hkv, S, E, generator=gen).to(dtype)
+    q = torch.randn(B, Hq, 1, E, generator=gen).to(device, dtype)
+    k = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
+    v = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
     gqa = Hq != Hkv
     fns = {"ours": lambda: attn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
-    # short rounds (5 calls at the largest caches, ~200 at the smallest), alternating: both
-    # implementations see the same state of the machine
-    calls = max(5, int(2e5 // (B * Hkv * S * E // 64 + 1000)))
-    best = best_per_call(fns, rounds, calls)
+    # short rounds (5 calls at the largest caches, ~200 at the smallest; 200 on a GPU),
+    # alternating: both implementations see the same state of the machine
+    calls = 200 if device.type == "cuda" else max(5, int(2e5 // (B * Hkv * S * E // 64 + 1000)))
+    best = best_per_call(fns, rounds, calls, device)
     err = common.rel_err(fns["ours"]().double(), fns["sdpa"]().double())
     return {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "E": E, "dtype": common.dtype_name(dtype),
             "ours_us": best["ours"], "sdpa_us": best["sdpa"], "ratio": best["ours"] / best["sdpa"],
@@ -212,6 +219,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
     p = common.OneLineErrorParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", action="store_true", help="(how `python -m attn_ext bench` comes here)")
     p.add_argument("--dtype", default="float32", help="comma-separated: float32, bfloat16, float16")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the steps run (the char GPT runs on the CPU only)")
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cache lengths S, comma-separated")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     p.add_argument("--targets", action="store_true", help="time issue 13's five target shapes instead of the grid")
@@ -239,14 +248,15 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    device = common.bench_device(args.device, args.threads, prog or "attn_ext bench --decode")
+    if device is None:
+        return 2
     import attn_ext
     from attn_ext import _build
 
-    info = common.machine_info("cpu")
+    info = common.machine_info(device)
     info["cpu_isa_active"] = _build.library_info().get("cpu_isa_active", "?")
-    print("attn_ext decoding benchmark on CPU")
+    print(f"attn_ext decoding benchmark on {device.type.upper()}")
     print(common.describe_machine(info))
     print(f"ours: attn_ext from {Path(attn_ext.__file__).parent}, CPU kernels: {info['cpu_isa_active']}")
     print(f"timing: best of {args.rounds} alternating rounds of calls, µs per step; ratio = ours / SDPA (< 1: ours faster)")
@@ -258,7 +268,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     steps = []
     for dtype in args.dtypes:
         for B, Hq, Hkv, S, E in cases:
-            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen))
+            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen, device))
     rows = [(r["dtype"], r["B"], f"{r['Hq']}/{r['Hkv']}", r["S"], r["E"], common.fmt(r["ours_us"]),
              common.fmt(r["sdpa_us"]), common.fmt(r["ratio"], 2),
              "" if r["target"] is None else f"<= {r['target']}: {'met' if r['ratio'] <= r['target'] else 'not met'}")
@@ -270,7 +280,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     print(f"largest relative difference of an output from SDPA's: {worst:.1e}")
 
     model = None
-    if not args.no_model:
+    if not args.no_model and device.type == "cpu":
         model = time_char_gpt(args.tokens, max(1, args.rounds // 2), compiled=not args.no_compile)
         print()
         if "skipped" in model:

@@ -38,9 +38,24 @@ const char* tensor_core_reason_for(const AttnParams& p) {
   return cuda::tensor_core_unsupported(p, prop->major, prop->minor, static_cast<int>(prop->sharedMemPerBlockOptin));
 }
 
+// A call that leaves most SMs idle (a decoding step) splits its keys on the
+// generic kernels (kernels.h: SplitKV); the others run on the tensor cores
+// when they can, else on the generic kernels.
 void launch_forward(const AttnParams& p) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (p.probs == nullptr && p.S > 0 && tensor_core_reason_for(p) == nullptr) {
+  cuda::SplitKV split = cuda::split_kv_plan(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  if (split.n_splits > 1) {
+    // The partial rows live until the merge kernel has run: the caching
+    // allocator hands their memory out again only behind it on this stream.
+    const auto options = at::TensorOptions()
+                             .device(at::kCUDA, at::cuda::current_device())
+                             .dtype(p.dtype == DType::Float64 ? at::kDouble : at::kFloat);
+    const at::Tensor o_part = at::empty({split.n_splits, p.B, p.Hq, p.L, p.Ev}, options);
+    const at::Tensor ml_part = at::empty({split.n_splits, p.B, p.Hq, p.L, 2}, options);
+    split.o_part = o_part.data_ptr();
+    split.ml_part = ml_part.data_ptr();
+    cuda::forward_generic(p, stream, split);
+  } else if (p.probs == nullptr && p.S > 0 && tensor_core_reason_for(p) == nullptr) {
     cuda::forward_tensor_core(p, stream);
   } else {
     cuda::forward_generic(p, stream);
@@ -338,12 +353,25 @@ std::string tensor_core_reason(const at::Tensor& query,    // (B, Hq, L, E)
   return reason == nullptr ? std::string() : std::string(reason);
 }
 
+// How many key ranges attention_forward(query, key, value) splits each row's
+// keys into on query's device (kernels.h: SplitKV); 1 when it does not split.
+// Masks, causal and the variants do not change it; dropout turns it off.
+int64_t split_kv_splits(const at::Tensor& query,    // (B, Hq, L, E)
+                        const at::Tensor& key,      // (B, Hkv, S, E)
+                        const at::Tensor& value) {  // (B, Hkv, S, Ev)
+  const c10::cuda::CUDAGuard guard(query.device());
+  const AttnParams p = make_params(query, key, value, std::nullopt, 0.0, false, 0, 1.0, std::nullopt);
+  return cuda::split_kv_plan(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount).n_splits;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(attn_ext, m) {
   // "" when attention_forward(query, key, value) runs on the tensor-core
   // kernels on this device, else the reason it falls back to the generic ones.
   m.def("tensor_core_reason(Tensor query, Tensor key, Tensor value) -> str");
+  // The key ranges of its split-KV forward on this device (1: no split).
+  m.def("split_kv_splits(Tensor query, Tensor key, Tensor value) -> int");
 }
 
 // Packed batches (varlen_attention): the generic kernels, one launch over
@@ -406,6 +434,7 @@ TORCH_LIBRARY_IMPL(attn_ext, CUDA, m) {
   m.impl("attention_probs", &attention_probs_cuda);
   m.impl("attention_probs_backward", &attention_probs_backward_cuda);
   m.impl("tensor_core_reason", &tensor_core_reason);
+  m.impl("split_kv_splits", &split_kv_splits);
   m.impl("varlen_forward", &varlen_forward_cuda);
   m.impl("varlen_backward", &varlen_backward_cuda);
 }

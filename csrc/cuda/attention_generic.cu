@@ -18,6 +18,9 @@
 //               softmax over the key tiles (FlashAttention), O chunk in
 //               registers, P staged in shared memory for O += P V. A head dim
 //               above kChunkOut costs a recomputation of Q K^T per chunk.
+//               Split-KV (kernels.h): one block per (key range, b, h, query
+//               tile, chunk), partial rows to the workspace, then one warp
+//               per row merges them.
 //   probs       the same block with one output chunk: pass 1 finds each row's
 //               lse, pass 2 recomputes the scores and writes exp(S - lse),
 //               dropped, to params.probs.
@@ -47,6 +50,7 @@
 #include <climits>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "../attention_math.h"
 #include "kernels.h"
@@ -319,9 +323,13 @@ struct ForwardSmem {
   T v[GenericTiles<T>::kChunkD][GenericTiles<T>::kChunkOut];         // V rows (kChunkD keys) x one output chunk
 };
 
-template <typename scalar_t>
-__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, GenericTiles<acc_t<scalar_t>>::kMinBlocks)
-    forward_kernel(const __grid_constant__ AttnParams params) {
+// kSplit: the split-KV instance (its own kernel: clamping the key range costs
+// the unsplit kernel 140 more bytes of register spills, ptxas -v). The split
+// grid is sized for two blocks per SM, so that instance may take 255 registers.
+template <typename scalar_t, bool kSplit>
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads,
+                                  kSplit ? 2 : GenericTiles<acc_t<scalar_t>>::kMinBlocks)
+    forward_kernel(const __grid_constant__ AttnParams params, const __grid_constant__ SplitKV split) {
   using T = acc_t<scalar_t>;
   using C = GenericTiles<T>;
   constexpr int R = C::kRows, NC = C::kOutCols;
@@ -334,6 +342,7 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, Gener
   const int64_t n_qtiles = ceil_div(params.L, C::kBlockM);  // the longest sequence's when packed
   const int64_t n_chunks = write_probs ? 1 : std::max<int64_t>(1, ceil_div(params.Ev, C::kChunkOut));
   const int64_t n_tasks = params.B * params.Hq * n_qtiles * n_chunks;
+  const int64_t sp = kSplit ? blockIdx.y : 0;  // the split's key range (gridDim.y == split.n_splits)
 
   for (int64_t task = blockIdx.x; task < n_tasks; task += gridDim.x) {
     const int64_t chunk = task % n_chunks;
@@ -344,7 +353,11 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, Gener
     const int64_t hk = h / group;
     const int64_t i0 = qt * C::kBlockM, c0 = chunk * C::kChunkOut;
     if (i0 >= p.L) continue;  // a shorter sequence of a packed batch
-    const KeyRange kv = tile_key_range<T>(p, i0);
+    KeyRange kv = tile_key_range<T>(p, i0);
+    if constexpr (kSplit) {  // this split's keys: whole key tiles, so kv.begin stays on a tile
+      kv.begin = std::max(kv.begin, sp * split.keys_per_split);
+      kv.end = std::min(kv.end, (sp + 1) * split.keys_per_split);
+    }
     const Mat<scalar_t> q = slice<scalar_t>(p.q, p.q_stride, b, h);
     const Mat<scalar_t> k = slice<scalar_t>(p.k, p.k_stride, b, hk);
 
@@ -427,6 +440,28 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, Gener
         for (int c = 0; c < NC; ++c) o[r][c] += pv[r][c];
     }
 
+    if constexpr (kSplit) {  // the split's rows, for split_kv_merge_kernel
+      const int64_t n_rows = p.B * p.Hq * p.L;
+      T* ml = static_cast<T*>(split.ml_part);
+      T* o_part = static_cast<T*>(split.o_part);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t i = i0 + ty + C::kTy * r;
+        if (i >= p.L) continue;
+        const int64_t row = sp * n_rows + (b * p.Hq + h) * p.L + i;
+        if (chunk == 0 && tx == 0) {
+          ml[2 * row] = row_m[r];
+          ml[2 * row + 1] = row_l[r];
+        }
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const int64_t col = c0 + tx + C::kTx * c;
+          if (col < p.Ev) o_part[row * p.Ev + col] = o[r][c];
+        }
+      }
+      continue;
+    }
+
     // The row's lse (natural log), the sink's logit joining the sum. l == 0
     // only when the row saw no key and there is no sink: output 0, lse -inf.
     // A NaN score makes l NaN: output and lse NaN, as in PyTorch. o_mul turns
@@ -493,6 +528,58 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads, Gener
           probs[i * p.probs_stride[2] + (j + c) * p.probs_stride[3]] = from_acc<scalar_t>(prob);
         }
       }
+    }
+  }
+}
+
+// Split-KV's second step: one warp per row joins the splits' partial rows,
+// each weighted by exp(m_s - m), into l, lse and out, with the sink as in
+// forward_kernel. A split whose rows saw no key (l_s == 0) adds nothing; a
+// NaN in any split's sum makes the row's output and lse NaN, as unsplit.
+template <typename scalar_t>
+__global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
+    split_kv_merge_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ SplitKV split) {
+  using T = acc_t<scalar_t>;
+  constexpr int kWarps = GenericTiles<T>::kThreads / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t n_rows = p.B * p.Hq * p.L;
+  const T* ml = static_cast<const T*>(split.ml_part);
+  const T* o_part = static_cast<const T*>(split.o_part);
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; row < n_rows;
+       row += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t i = row % p.L, h = (row / p.L) % p.Hq, b = row / (p.L * p.Hq);
+    T m = neg_inf<T>(), l = T(0);
+    bool nan = false;
+    for (int64_t s = 0; s < split.n_splits; ++s) {
+      const T l_s = ml[2 * (s * n_rows + row) + 1];
+      nan = nan || isnan(l_s);
+      if (l_s > T(0)) m = max(m, ml[2 * (s * n_rows + row)]);
+    }
+    for (int64_t s = 0; s < split.n_splits; ++s) {
+      const T l_s = ml[2 * (s * n_rows + row) + 1];
+      if (l_s > T(0)) l += l_s * acc_exp(ml[2 * (s * n_rows + row)] - m);
+    }
+    if (nan) l = std::numeric_limits<T>::quiet_NaN();
+    const T keys_l = l;  // the sum over the keys, without the sink
+    T mx = m;
+    if (p.sinks != nullptr && !nan) {
+      const T sink = static_cast<const T*>(p.sinks)[h];
+      const T m_new = max(mx, sink);
+      if (m_new != neg_inf<T>()) {
+        l = (l > T(0) ? l * acc_exp(mx - m_new) : T(0)) + acc_exp(sink - m_new);
+        mx = m_new;
+      }
+    }
+    if (lane == 0)
+      static_cast<T*>(p.lse)[lse_index(p, b, h, i)] = l > T(0) ? mx + acc_log(l) : (isnan(l) ? l : neg_inf<T>());
+    scalar_t* out = static_cast<scalar_t*>(p.out) + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+    for (int64_t e = lane; e < p.Ev; e += 32) {
+      T acc = T(0);
+      for (int64_t s = 0; s < split.n_splits; ++s) {
+        const int64_t at = s * n_rows + row;
+        if (ml[2 * at + 1] > T(0)) acc += o_part[at * p.Ev + e] * acc_exp(ml[2 * at] - mx);
+      }
+      out[e * p.o_stride[3]] = from_acc<scalar_t>(keys_l > T(0) ? acc / l : (nan ? l : T(0)));
     }
   }
 }
@@ -806,11 +893,38 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
 }
 
 template <typename scalar_t>
-void launch_forward(const AttnParams& p, cudaStream_t stream) {
+void launch_forward(const AttnParams& p, const SplitKV& split, cudaStream_t stream) {
   using C = GenericTiles<acc_t<scalar_t>>;
   const int64_t n_chunks = p.probs != nullptr ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
   const int64_t n_tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * n_chunks;
-  forward_kernel<scalar_t><<<task_grid(n_tasks), C::kThreads, 0, stream>>>(p);
+  if constexpr (!std::is_same_v<scalar_t, double>) {  // split_kv_plan never splits float64
+    if (split.n_splits > 1) {
+      const dim3 grid(task_grid(n_tasks), static_cast<unsigned>(split.n_splits));  // at most 128 splits
+      forward_kernel<scalar_t, true><<<grid, C::kThreads, 0, stream>>>(p, split);
+      const int64_t n_rows = p.B * p.Hq * p.L;
+      split_kv_merge_kernel<scalar_t>
+          <<<task_grid(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, split);
+      return;
+    }
+  }
+  forward_kernel<scalar_t, false><<<task_grid(n_tasks), C::kThreads, 0, stream>>>(p, split);
+}
+
+// The split's sizes for accumulation type T (its key tile): see kernels.h.
+template <typename T>
+SplitKV plan_split(const AttnParams& p, int num_sms) {
+  using C = GenericTiles<T>;
+  SplitKV split;
+  const int64_t tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
+  const int64_t min_keys = 4 * C::kBlockN;  // a split streams at least 4 key tiles
+  // Split only when the tasks leave at least half the SMs idle; aim for two
+  // blocks per SM, at most 128 splits.
+  if (2 * tasks > num_sms || p.S < 2 * min_keys) return split;
+  const int64_t n = std::min<int64_t>({ceil_div(2 * static_cast<int64_t>(num_sms), tasks), p.S / min_keys, 128});
+  if (n < 2) return split;
+  split.keys_per_split = ceil_div(ceil_div(p.S, n), C::kBlockN) * C::kBlockN;
+  split.n_splits = ceil_div(p.S, split.keys_per_split);
+  return split;
 }
 
 template <typename scalar_t>
@@ -827,9 +941,17 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
 
 }  // namespace
 
-void forward_generic(const AttnParams& params, cudaStream_t stream) {
+SplitKV split_kv_plan(const AttnParams& params, int num_sms) {
+  // float64 (the gradcheck dtype) never splits: one instance of the kernels fewer.
+  if (params.probs != nullptr || params.dropout_p > 0.0 || params.cu_q != nullptr || params.dtype == DType::Float64 ||
+      params.B == 0 || params.Hq == 0 || params.L == 0)
+    return SplitKV{};
+  return plan_split<float>(params, num_sms);
+}
+
+void forward_generic(const AttnParams& params, cudaStream_t stream, const SplitKV& split) {
   if (params.B == 0 || params.Hq == 0 || params.L == 0) return;  // nothing to write
-  dispatch_dtype(params.dtype, [&](auto tag) { launch_forward<decltype(tag)>(params, stream); });
+  dispatch_dtype(params.dtype, [&](auto tag) { launch_forward<decltype(tag)>(params, split, stream); });
 }
 
 void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {

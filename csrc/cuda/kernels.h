@@ -38,7 +38,24 @@ struct BwdWorkspace {
 // (their gradient into params.dsinks), dropout, GQA, packed batches (params.cu_q
 // and cu_k then in device memory), the explicit probabilities (params.probs /
 // params.dprobs set). Any strides.
-void forward_generic(const AttnParams& params, cudaStream_t stream);
+//
+// Split-KV (flash-decoding): a call whose (b, h, query tile) tasks cannot fill
+// the GPU (a decoding step: a query row or a few, a few heads, a long cache)
+// splits each task's keys into n_splits ranges of keys_per_split keys (whole
+// key tiles). Each split writes its rows' O (not yet divided by the row sum),
+// row max m and row sum l to the workspace; a merge kernel joins the splits
+// through the log-sum-exp (and the sinks) into out and lse. Never with
+// dropout, the explicit probabilities, a packed batch or float64.
+struct SplitKV {
+  int64_t n_splits = 1;  // 1: no split
+  int64_t keys_per_split = 0;
+  void* o_part = nullptr;   // (n_splits, B, Hq, L, Ev) contiguous, accumulation dtype
+  void* ml_part = nullptr;  // (n_splits, B, Hq, L, 2) contiguous, accumulation dtype: m, l of each row
+};
+// How the generic forward splits `params` on a device of num_sms SMs (the
+// workspace pointers unset; n_splits 1 = no split).
+SplitKV split_kv_plan(const AttnParams& params, int num_sms);
+void forward_generic(const AttnParams& params, cudaStream_t stream, const SplitKV& split = SplitKV{});
 void backward_generic(const AttnBwdParams& params, const BwdWorkspace& ws, cudaStream_t stream);
 
 // The tensor-core kernels (FlashAttention-2 style): float16/bfloat16 on

@@ -35,11 +35,11 @@ class KVCache:
     through every cached step.
 
     Under ``torch.compile`` the length is a symbolic size (the cache keeps it
-    in its tensors' shapes, the operators take ``causal_offset`` as a SymInt):
-    a decoding loop compiles a few graphs (the prefill, a step, a step that
-    doubles the buffers), not one per token, and a step writes the new token
-    into the buffer in place. ``capacity`` (no doubling) or
-    ``torch.compile(..., dynamic=True)`` (no first static graphs) make fewer.
+    as a tensor's size, the operators take ``causal_offset`` as a SymInt): a
+    decoding loop compiles about 5 graphs (the prefill, a step, a step that
+    doubles the buffers, each first static), not one per token, and a step
+    writes the new token into the buffer in place. ``capacity`` (no doubling)
+    and ``torch.compile(..., dynamic=True)`` (no static graphs) make it 2.
 
     Args:
         capacity: tokens to reserve room for up front (0: grow on demand).
@@ -61,26 +61,27 @@ class KVCache:
 
     def reset(self):
         """Forget every cached token (e.g. before a new prompt)."""
-        # The length lives in the views' shapes, not in a Python int: torch.compile
+        self._key = None    # (N, Hkv, room, D): the keys so far, then free room (no_grad), or exactly them
+        self._value = None  # (N, Hkv, room, Dv)
+        # The length lives in a tensor's size, not in a Python int: torch.compile
         # specialises integers read from globals and module attributes (a recompile
-        # per step) but lets a tensor's changing size become symbolic.
-        self._key = None           # (N, Hkv, len, D): the cached keys; a view of _key_room without autograd
-        self._value = None         # (N, Hkv, len, Dv)
-        self._key_room = None      # (N, Hkv, room, D), room > len: the buffer that grows by doubling
-        self._value_room = None    # (N, Hkv, room, Dv)
+        # per step) but lets a tensor's changing size become symbolic. One int8
+        # element expanded to (len,), stride 0: with views of the buffers instead,
+        # inductor's aliasing guards made a decoding loop compile 8 graphs, not 5.
+        self._length = None
 
     def __len__(self):
-        return 0 if self._key is None else self._key.shape[2]
+        return 0 if self._length is None else self._length.shape[0]
 
     @property
     def key(self):
         """(N, Hkv, len, D): the cached keys (a view), or None when empty."""
-        return self._key
+        return None if self._key is None else self._key[:, :, : len(self)]
 
     @property
     def value(self):
         """(N, Hkv, len, Dv): the cached values (a view), or None when empty."""
-        return self._value
+        return None if self._value is None else self._value[:, :, : len(self)]
 
     def check(self, key, value):
         """Raise if ``key`` (N, Hkv, n, D) / ``value`` (N, Hkv, n, Dv) cannot extend this cache."""
@@ -107,25 +108,23 @@ class KVCache:
             if self._key is None:
                 self._key, self._value = key, value
             else:
-                self._key = torch.cat([self._key, key], dim=2)
-                self._value = torch.cat([self._value, value], dim=2)
-            self._key_room = self._value_room = None
-            return self._key, self._value
-        # One slot always stays free (end < room): the view is then never the
-        # whole buffer, so a compiled step needs no variant for a full one.
-        if self._key_room is None or end >= self._key_room.shape[2]:
-            room = max(end, 2 * length, self.capacity) + 1
-            key_room = key.new_empty(key.shape[0], key.shape[1], room, key.shape[3])
-            value_room = value.new_empty(value.shape[0], value.shape[1], room, value.shape[3])
-            if length:
-                key_room[:, :, :length].copy_(self._key)
-                value_room[:, :, :length].copy_(self._value)
-            self._key_room, self._value_room = key_room, value_room
-        self._key_room[:, :, length:end].copy_(key)
-        self._value_room[:, :, length:end].copy_(value)
-        self._key = self._key_room[:, :, :end]
-        self._value = self._value_room[:, :, :end]
-        return self._key, self._value
+                self._key = torch.cat([self.key, key], dim=2)
+                self._value = torch.cat([self.value, value], dim=2)
+        else:
+            # One slot always stays free (end < room): the keys are then never the
+            # whole buffer, so a compiled step needs no variant for a full one.
+            if self._key is None or end >= self._key.shape[2] or self._key.requires_grad:
+                room = max(end, 2 * length, self.capacity) + 1
+                new_key = key.new_empty(key.shape[0], key.shape[1], room, key.shape[3])
+                new_value = value.new_empty(value.shape[0], value.shape[1], room, value.shape[3])
+                if length:
+                    new_key[:, :, :length].copy_(self.key)
+                    new_value[:, :, :length].copy_(self.value)
+                self._key, self._value = new_key, new_value
+            self._key[:, :, length:end].copy_(key)
+            self._value[:, :, length:end].copy_(value)
+        self._length = key.new_empty(1, dtype=torch.int8).expand(end)
+        return self.key, self.value
 
 
 def _keep_torch_fast_paths_off(module, args):

@@ -225,13 +225,15 @@ def test_decoding_with_a_cache_compiles_a_few_times_not_once_per_step(device, he
                 want = model.attn(x, x, x, is_causal=True, need_weights=False, cache=eager_cache)[0]
                 assert rel_err(got, want) < 1e-5
                 assert len(cache) == len(eager_cache)
-                moves += cache._key_room.data_ptr() != where
-                eager_moves += eager_cache._key_room.data_ptr() != eager_where
-                where, eager_where = cache._key_room.data_ptr(), eager_cache._key_room.data_ptr()
+                moves += cache._key.data_ptr() != where
+                eager_moves += eager_cache._key.data_ptr() != eager_where
+                where, eager_where = cache._key.data_ptr(), eager_cache._key.data_ptr()
                 x = torch.randn(2, 1, 32, device=device)
             # appends write into the buffer in place; only a doubling moves it, as in eager
             assert moves == eager_moves <= 2 + math.log2(len(cache) / prompt), (moves, eager_moves)
-    assert backend.graphs <= torch._dynamo.config.recompile_limit, backend.graphs
+    # 5 (torch 2.11 and 2.14): the prefill, the first step, the later steps, a doubling
+    # step and a later prompt's prefill, each once (the first two static, then symbolic)
+    assert backend.graphs <= 6, backend.graphs
 
 
 def test_varlen_compiles_once_for_batches_of_changing_lengths(device):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import attn_ext
+from attn_ext.benchmark.common import CountingInductor
 from helpers import make_generator, rel_err
 
 
@@ -172,18 +173,6 @@ def test_variants_and_varlen_export_keep_the_operators_in_the_graph(device):
             assert rel_err(a, b) < 1e-6
 
 
-class _CountingInductor:
-    """torch.compile's default backend, counting the graphs it is given (one per compile)."""
-
-    def __init__(self):
-        self.graphs = 0
-        self._inductor = torch._dynamo.lookup_backend("inductor")
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self._inductor(gm, example_inputs)
-
-
 class _Decoder(torch.nn.Module):
     """One attention layer that keeps its KVCache as an attribute (as model code often does)."""
 
@@ -206,7 +195,7 @@ def test_decoding_with_a_cache_compiles_a_few_times_not_once_per_step(device, he
     torch.manual_seed(0)
     model = _Decoder().to(device).eval()
     eager_cache = attn_ext.KVCache()
-    backend = _CountingInductor()
+    backend = CountingInductor()
     if held == "attribute":
         cache, step = model.cache, torch.compile(model, backend=backend, fullgraph=True)
     else:
@@ -240,7 +229,7 @@ def test_varlen_compiles_once_for_batches_of_changing_lengths(device):
     # max_seqlen_q / max_seqlen_k are SymInts in the schema: a new longest sequence
     # per batch makes them symbolic instead of recompiling every batch.
     torch._dynamo.reset()
-    backend = _CountingInductor()
+    backend = CountingInductor()
 
     def packed(q, k, v, cu, max_len):
         return attn_ext.varlen_attention(q, k, v, cu, cu, max_len, max_len, is_causal=True)

@@ -561,7 +561,8 @@ def test_decoding_cache_reserves_grows_and_resets(device):
 
 def test_decoding_cache_appends_in_place_and_moves_only_to_double(device):
     m = attn_ext.MultiHeadAttention(E, H, batch_first=True).to(device).eval()
-    for capacity, most_moves in ((0, 8), (100, 1)):  # 100 tokens: 1, 3, 5, 9, ... 129 slots; reserved: one
+    # 100 tokens in room for 2, 3, 5, 9, 17, 33, 65, 129 (one slot kept free): 8 moves; reserved: one
+    for capacity, most_moves in ((0, 8), (100, 1)):
         cache, moves, where = attn_ext.KVCache(capacity=capacity), 0, None
         with torch.no_grad():
             for t in torch.randn(1, 100, E, device=device).split(1, dim=1):

@@ -182,6 +182,18 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (a - e).norm().item() / denom
 
 
+class CountingInductor:
+    """torch.compile's default backend (inductor), counting the graphs it is given:
+    ``torch.compile(fn, backend=CountingInductor())``, then ``.graphs``."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
+
+
 def release_memory(device: torch.device) -> None:
     """Give back what a dropped case held (the CUDA caching allocator keeps it otherwise)."""
     gc.collect()

@@ -147,17 +147,6 @@ def greedy_recompute(model: nn.Module, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
-class _CountingInductor:
-    """torch.compile's default backend, counting the graphs it compiles."""
-
-    def __init__(self):
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return torch._dynamo.lookup_backend("inductor")(gm, example_inputs)
-
-
 def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0, compiled: bool = True) -> dict:
     gpt = load_char_gpt()
     if gpt is None:
@@ -182,7 +171,7 @@ def time_char_gpt(n_tokens: int, rounds: int, seed: int = 0, compiled: bool = Tr
     }
     compile_info = None
     if compiled:
-        backend = _CountingInductor()
+        backend = common.CountingInductor()
         model = torch.compile(ours, backend=backend)
         torch._dynamo.reset()
         start = time.perf_counter()

@@ -892,11 +892,18 @@ void dispatch_dtype(DType dtype, Fn&& fn) {
   }
 }
 
+// The forward's (b, h, query tile, chunk of Ev columns) tasks, for accumulation type T.
+template <typename T>
+int64_t forward_tasks(const AttnParams& p) {
+  using C = GenericTiles<T>;
+  const int64_t n_chunks = p.probs != nullptr ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
+  return p.B * p.Hq * ceil_div(p.L, C::kBlockM) * n_chunks;
+}
+
 template <typename scalar_t>
 void launch_forward(const AttnParams& p, const SplitKV& split, cudaStream_t stream) {
   using C = GenericTiles<acc_t<scalar_t>>;
-  const int64_t n_chunks = p.probs != nullptr ? 1 : std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
-  const int64_t n_tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * n_chunks;
+  const int64_t n_tasks = forward_tasks<acc_t<scalar_t>>(p);
   if constexpr (!std::is_same_v<scalar_t, double>) {  // split_kv_plan never splits float64
     if (split.n_splits > 1) {
       const dim3 grid(task_grid(n_tasks), static_cast<unsigned>(split.n_splits));  // at most 128 splits
@@ -915,7 +922,7 @@ template <typename T>
 SplitKV plan_split(const AttnParams& p, int num_sms) {
   using C = GenericTiles<T>;
   SplitKV split;
-  const int64_t tasks = p.B * p.Hq * ceil_div(p.L, C::kBlockM) * std::max<int64_t>(1, ceil_div(p.Ev, C::kChunkOut));
+  const int64_t tasks = forward_tasks<T>(p);
   const int64_t min_keys = 4 * C::kBlockN;  // a split streams at least 4 key tiles
   // Split only when the tasks leave at least half the SMs idle; aim for two
   // blocks per SM, at most 128 splits.

@@ -33,6 +33,12 @@ def sdpa_mask(attn_mask, batch_shape, num_heads, L, S, has_head_dim):
     if not isinstance(attn_mask, torch.Tensor):
         raise TypeError(f"attn_mask must be a Tensor or None, got {type(attn_mask).__name__}")
     full = (*batch_shape, num_heads, L, S) if has_head_dim else (*batch_shape, L, S)
+    shape = attn_mask.shape
+    if has_head_dim and len(batch_shape) == 1 and len(shape) <= 4:
+        # the common case, checked by hand: torch.broadcast_shapes costs ~10 us,
+        # most of a decoding step's Python time
+        if all(have == 1 or have == want for have, want in zip(reversed(shape), reversed(full))):
+            return attn_mask
     try:
         fits = torch.broadcast_shapes(tuple(attn_mask.shape), full) == torch.Size(full)
     except RuntimeError:

@@ -215,7 +215,7 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std
                 shape_str(mask.sizes()));
     p.mask_kind = mask.scalar_type() == at::kBool ? MaskKind::Bool : MaskKind::Additive;
     p.mask = mask.data_ptr();
-    copy_strides(p.mask_stride, expand_mask(mask, p));
+    broadcast_mask_strides(p.mask_stride, mask);  // 0 on broadcast dims
   }
 
   check_dropout_seed(dropout_p, dropout_seed, query);
@@ -362,10 +362,14 @@ AttnParams make_varlen_params(const at::Tensor& query, const at::Tensor& key, co
   return p;
 }
 
-at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& p) {
-  at::Tensor m = attn_mask;
-  while (m.dim() < 4) m = m.unsqueeze(0);
-  return m.expand({p.B, p.Hq, p.L, p.S});
+void broadcast_mask_strides(int64_t (&dst)[4], const at::Tensor& attn_mask) {
+  // what attn_mask.expand({B, Hq, L, S}).strides() would be, without making the view
+  // (a few tensor ops: microseconds of a decoding step)
+  const int64_t missing = 4 - attn_mask.dim();
+  for (int64_t d = 0; d < 4; ++d) {
+    const int64_t own = d - missing;  // the mask's dim, < 0 where it has none
+    dst[d] = own < 0 || attn_mask.size(own) == 1 ? 0 : attn_mask.stride(own);
+  }
 }
 
 namespace {

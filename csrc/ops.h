@@ -87,8 +87,9 @@ AttnParams make_params(const at::Tensor& query, const at::Tensor& key, const std
 // dropout_seed: int64, one element, on query's device; required iff dropout_p > 0.
 void check_dropout_seed(double dropout_p, const std::optional<at::Tensor>& dropout_seed, const at::Tensor& query);
 
-// The attn_mask viewed as (B, Hq, L, S) without copying (stride 0 on broadcast dims).
-at::Tensor expand_mask(const at::Tensor& attn_mask, const AttnParams& params);
+// The strides of attn_mask (at most 4-D, broadcastable to (B, Hq, L, S)) read as
+// (B, Hq, L, S): 0 on its broadcast dims.
+void broadcast_mask_strides(int64_t (&dst)[4], const at::Tensor& attn_mask);
 
 // The shape of a per-query-row tensor of `p` with `cols` columns: (B, Hq, L, cols),
 // or (total_q, Hq, cols) for a packed batch (read from p.cu_q on the host);

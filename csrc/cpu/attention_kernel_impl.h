@@ -25,6 +25,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <new>
 #include <type_traits>
@@ -780,7 +782,20 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
       }
     } else {
       const bool* m = static_cast<const bool*>(p.mask) + offset;
-      for (int64_t j = 0; j < n; ++j)
+      int64_t j = 0;
+      if (sj == 1) {
+        // Eight keys at a time: a key-padding mask is long runs of true (one byte 1
+        // each), which cost a load and a compare per word.
+        constexpr uint64_t kAllKept = 0x0101010101010101ull;
+        for (; j + 8 <= n; j += 8) {
+          uint64_t word;
+          std::memcpy(&word, m + j, sizeof(word));
+          if (word == kAllKept) continue;
+          for (int64_t t = j; t < j + 8; ++t)
+            if (!m[t]) s[t] = kNegInf;
+        }
+      }
+      for (; j < n; ++j)
         if (!m[j * sj]) s[j] = kNegInf;
     }
   }

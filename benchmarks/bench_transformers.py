@@ -12,6 +12,7 @@ is faster):
   prefill the forward of a 4 x 1024-token prompt without gradients
   decode  greedy generate() of 64 new tokens after a 4 x 512-token prompt
           (transformers' DynamicCache): new tokens per second
+  static  the same with a StaticCache (cache_implementation="static")
 
 Usage (CPU by default; --device cuda on a GPU):
     python benchmarks/bench_transformers.py [--threads 2] [--dtype float32,bfloat16] [--json PATH]
@@ -72,20 +73,27 @@ def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_to
     t = common.time_interleaved({k: prefill(m) for k, m in models.items()}, min_run_time=min_run_time, warmup=1)
     result["prefill_ms"] = {k: v.median_ms for k, v in t.items()}
 
-    # Decoding: three timed generate() calls each, alternating; the median.
-    tokens, times = {}, {k: [] for k in models}
-    for _ in range(3):
-        for k, m in models.items():
-            start = time.perf_counter()
-            with torch.no_grad():
-                out = m.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times[k].append(time.perf_counter() - start)
-            tokens[k] = out[:, prompt:]
-    result["decode_tokens_per_s"] = {k: batch * new_tokens / sorted(v)[len(v) // 2] for k, v in times.items()}
-    result["same_tokens"] = bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+    # Decoding: three timed generate() calls each, alternating; the median. With
+    # transformers' default DynamicCache, then with a StaticCache (keys preallocated
+    # for prompt + new tokens: the mask function's static path).
+    same = True
+    for cache, key in (("dynamic", "decode_tokens_per_s"), ("static", "decode_static_tokens_per_s")):
+        extra = dict(cache_implementation="static") if cache == "static" else {}
+        tokens, times = {}, {k: [] for k in models}
+        for _ in range(3):
+            for k, m in models.items():
+                start = time.perf_counter()
+                with torch.no_grad():
+                    out = m.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=0, **extra)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times[k].append(time.perf_counter() - start)
+                tokens[k] = out[:, prompt:]
+        result[key] = {k: batch * new_tokens / sorted(v)[len(v) // 2] for k, v in times.items()}
+        same = same and bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+    result["same_tokens"] = same
     return result
 
 
@@ -112,16 +120,18 @@ def main(argv=None):
     print(f"tiny Llama (4 x d256, GQA 8/4) on {device}, transformers {transformers.__version__}")
     print(common.describe_machine(machine))
     header = ["dtype", "train ms attn_ext", "train ms sdpa", "train x", "prefill ms attn_ext", "prefill ms sdpa",
-              "prefill x", "decode tok/s attn_ext", "decode tok/s sdpa", "decode x", "same tokens"]
+              "prefill x", "decode tok/s attn_ext", "decode tok/s sdpa", "decode x", "static tok/s attn_ext",
+              "static tok/s sdpa", "static x", "same tokens"]
     rows, records = [], []
     for dname in args.dtype.split(","):
         dtype = common.parse_dtype(dname)
         r = run(dtype, device, args.min_run_time, name)
         records.append({"dtype": dname, **r})
-        tr, pf, dc = r["train_ms"], r["prefill_ms"], r["decode_tokens_per_s"]
+        tr, pf, dc, st = r["train_ms"], r["prefill_ms"], r["decode_tokens_per_s"], r["decode_static_tokens_per_s"]
         rows.append([dname, common.fmt(tr["attn_ext"]), common.fmt(tr["sdpa"]), common.fmt(tr["sdpa"] / tr["attn_ext"], 2),
                      common.fmt(pf["attn_ext"]), common.fmt(pf["sdpa"]), common.fmt(pf["sdpa"] / pf["attn_ext"], 2),
                      common.fmt(dc["attn_ext"]), common.fmt(dc["sdpa"]), common.fmt(dc["attn_ext"] / dc["sdpa"], 2),
+                     common.fmt(st["attn_ext"]), common.fmt(st["sdpa"]), common.fmt(st["attn_ext"] / st["sdpa"], 2),
                      "yes" if r["same_tokens"] else "no"])
         print(common.format_table(header, rows[-1:], markdown=True), flush=True)
     print(common.format_table(header, rows, markdown=True))

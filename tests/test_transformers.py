@@ -286,7 +286,8 @@ def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding):
     over the real positions) equal eager's and sdpa's with the same weights, without
     padding and with left / right padding (an attention_mask row with 5 zeros); each
     layer ran attn_ext's forward and backward kernels once, with the model's key/value
-    heads (grouped-query attention without repeat_kv)."""
+    heads (grouped-query attention without repeat_kv), and no (B, 1, L, S) mask: the
+    causal flag, the window and at most a key-padding vector."""
     models = _models(kind, dtype)
     ids = _tokens(2, LENGTH, seed=1)
     mask = None if padding == "none" else _padding_mask(padding)
@@ -306,6 +307,8 @@ def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding):
     for a in ops.args("attention_forward"):
         q, k, v = a["query"], a["key"], a["value"]
         assert q.shape[1] == 4 and k.shape[1] == v.shape[1] == _kv_heads(kind), (q.shape, k.shape)
+        m = a["attn_mask"]
+        assert m is None or (m.dtype == torch.bool and m.shape[-2] == 1), (m.dtype, m.shape)
 
     logits, grads = results[ATTN_EXT]
     tol = TOL[dtype]
@@ -325,7 +328,9 @@ def test_greedy_generate_matches_eager(kind, cache):
     the window of 4) gives eager's tokens, and the logits of every step equal eager's
     (float32 tolerance); attn_ext ran every layer of every step. "dynamic" is the
     default DynamicCache (sliding-window layers keep a sliding cache); "static" a
-    StaticCache, whose keys run past the queries (the mask function's general path)."""
+    StaticCache, whose keys run past the queries: the kernels still get no (B, 1, L, S)
+    mask, only key padding, and never the cache's empty slots (the keys of a call of
+    step t are at most the 10 + t written so far)."""
     new = 8
     ids = _tokens(2, 10, seed=3)
     mask = _padding_mask("left", length=10, pad=4)
@@ -341,6 +346,10 @@ def test_greedy_generate_matches_eager(kind, cache):
         if impl == ATTN_EXT:
             # one prefill and new - 1 decoding steps, each through every layer
             assert ops.count("attention_forward") == LAYERS * new, [n for n, _ in ops.calls]
+            for call, a in enumerate(ops.args("attention_forward")):
+                m, written = a["attn_mask"], 10 + call // LAYERS
+                assert m is None or (m.dtype == torch.bool and m.shape[-2] == 1), (call, m.dtype, m.shape)
+                assert a["key"].shape[-2] <= written, (call, tuple(a["key"].shape), written)
         else:
             assert not ops.calls
     got, ref = outs[ATTN_EXT], outs["eager"]

@@ -19,17 +19,24 @@ What a layer's mask becomes:
   attention function then adds ``is_causal`` (bottom-right aligned, as a cache
   needs), ``window=(w - 1, 0)`` for a transformers ``sliding_window`` of w, and
   the softcap and sinks the model passes. No (B, 1, L, S) tensor is built.
+- transformers' static caches (the keys are the whole preallocated cache, past
+  the queries): a (B, 1, 1, n) bool mask of the n keys up to the last query (all
+  True without padding). The attention function cuts the keys to those n, and
+  the pattern is the one above: the kernels never see the empty slots. The
+  cache's length comes as a tensor: it is read in eager code only (reading it
+  under torch.compile would break the graph), so compiled code takes the
+  general path below.
 - padding-free packed batches (``position_ids`` restarting at 0, no
   ``attention_mask``, batch 1): ``None``; the attention function finds the
   sequences from ``position_ids`` (as transformers' flash-attention path does)
   and runs :func:`attn_ext.varlen_attention` on them.
-- anything else (static caches whose keys run past the queries, chunked or
-  blockwise masks, custom mask functions): transformers' own (B, 1, L, S) mask,
+- anything else (static caches under torch.compile, chunked or blockwise masks,
+  custom mask functions): transformers' own (B, 1, L, S) mask,
   as an additive float mask (0 or -inf), which the attention function applies
   as it is. A float mask always carries the whole pattern, and so does a 4-D
   mask a user hands the model (transformers passes it on untouched); only a
   bool mask of one query row is key padding: that is how the attention function
-  tells them apart.
+  tells them apart (and one shorter than the keys cuts them, as above).
 
 Grouped-query attention runs on the key/value heads as they come (no
 ``repeat_kv``); a decoding step (one query) takes a group's query heads as the
@@ -93,11 +100,24 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     mask, or a (B, 1, L, S) additive float mask (see the module's docstring)."""
     kinds = [_kind(part) for part in _mask_parts(mask_function)]
     plain = all(k in ("causal", "bidirectional", "sliding") for k in kinds)
+    if isinstance(q_offset, torch.Tensor) and q_offset.numel() == 1 and not torch.compiler.is_compiling():
+        # A StaticCache's length comes as a tensor (so that compiled code need not
+        # read it); in eager it is read once per forward and layer type.
+        q_offset = int(q_offset)
     offsets_known = isinstance(q_offset, int) and isinstance(kv_offset, int)
     # Causal and sliding patterns ride on the kernels' bottom-right alignment: the
     # last query must be the last key.
-    aligned = "causal" not in kinds and "sliding" not in kinds or (
-        offsets_known and q_offset + q_length == kv_offset + kv_length)
+    ordered = "causal" in kinds or "sliding" in kinds
+    used = q_offset + q_length - kv_offset if offsets_known else None  # keys up to the last query's
+    aligned = not ordered or used == kv_length
+    if plain and ordered and used is not None and 0 < used < kv_length:
+        # A static cache: the keys past the last query's position are empty slots that
+        # no query sees. A key mask of the used keys only, (B or 1, 1, 1, used), tells the
+        # attention function to cut the keys there; the pattern is then aligned again.
+        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+        if padding is None:
+            return torch.ones((1, 1, 1, used), dtype=torch.bool, device=device)
+        return padding[:, None, None, kv_offset:kv_offset + used].to(device=device, dtype=torch.bool)
     if plain and aligned:
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if padding is None:
@@ -156,6 +176,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     B, Hq, L, _ = query.shape
     Hkv, S = key.shape[1], key.shape[2]
+    if (attention_mask is not None and attention_mask.dtype == torch.bool and attention_mask.shape[-2] == 1
+            and 0 < attention_mask.shape[-1] < S):
+        # A static cache (see attention_mask): the keys past the mask's length are
+        # empty slots no query sees; the kernels never read them.
+        S = attention_mask.shape[-1]
+        key, value = key[:, :, :S], value[:, :, :S]
     if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.shape[-2] != 1):
         # A whole mask, causal and window included: transformers' own (float), or a
         # 4-D mask the user gave the model, which transformers passes on as it is.

@@ -17,6 +17,7 @@ from helpers import (
     make_qkv,
     randn,
     run_backward_case,
+    run_forward_case,
     sdpa,
 )
 
@@ -139,6 +140,21 @@ def test_grads_over_head_dims_and_key_blocks(device, dtype, head_dim, variant):
         mask = make_mask("float", (1, Hq, L, S), dtype, device, seed=seed + 1, requires_grad=True)
     run_backward_case(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv, seed=seed, **cfg)
 
+
+
+@low_dtypes
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 12, 15, 16, 17])
+def test_row_counts_at_the_kernel_paths_boundaries(device, dtype, rows):
+    """Query row counts on both sides of where the CPU kernels change path (bfloat16:
+    in-place dot products up to 8 rows, the 16-row tile products from 9 on, a second,
+    partial block from 17), forward and backward, bottom-right causal over 300 keys
+    with grouped-query heads and a bool key-padding mask (as a batched decoding or
+    speculative step has them)."""
+    q, k, v = make_qkv(2, 4, 2, rows, 300, 64, 64, dtype, device, seed=rows, requires_grad=True)
+    mask = make_mask("bool", (2, 1, 1, 300), dtype, device, seed=rows + 1, keep_prob=0.9)
+    run_forward_case(q, k, v, attn_mask=mask, is_causal=True, causal_alignment="bottom_right", enable_gqa=True)
+    run_backward_case(q, k, v, attn_mask=mask, is_causal=True, causal_alignment="bottom_right", enable_gqa=True,
+                      seed=rows, lse_weight=True)
 
 def test_float_mask_grad_is_summed_over_broadcast_dims(device):
     dtype = torch.float64

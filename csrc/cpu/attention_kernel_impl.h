@@ -617,6 +617,12 @@ inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs,
 // against 0.72-0.77, 8 rows 0.78-0.81 against 0.84-0.96. Six rows: faster on
 // the Zen 4, and between the Xeon's two measured points.
 constexpr int64_t kDirectRows = 6;
+// float16 and bfloat16 on at::vec: packing converts every key to float32
+// first, a cost per call that few rows do not repay. Measured on the Zen 4
+// (float16, 1 x 8 heads x 4000 keys, 2 threads), in place against packed:
+// 8 rows 0.93-0.96 ms against 3.13, 12 rows 1.05 against 2.12-2.15, 16 rows
+// 1.35-1.37 against 2.29-2.37.
+constexpr int64_t kDirectRowsConverted = 16;
 
 // Lane t of the result is the sum of the lanes of parts[t] (VS vectors in):
 // the dot products of VS keys at once (lane_sums.h: an add tree, about three
@@ -850,6 +856,7 @@ class VecForwardProducts {
   static constexpr int64_t kKeyAlign = kCols;               // key blocks are a multiple of this
   static constexpr int64_t kRowAlign = kGemmRows;           // query blocks are a multiple of this
   static T unscaled(const AttnParams&) { return T(1); }     // scores() scales (Q is scaled)
+  static constexpr int64_t kDirect = std::is_same_v<scalar_t, T> ? kDirectRows : kDirectRowsConverted;
 
   // Panels of `panel` keys (the packing and caching unit); a score tile spans up
   // to `cols` keys, whole panels from a panel boundary.
@@ -889,7 +896,7 @@ class VecForwardProducts {
   // than the tile has, its product stops at whole vectors past its last row's
   // reach and leaves the rest of its rows unwritten.
   void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
-    if (m_ <= kDirectRows) {  // decoding: read each key row in place
+    if (m_ <= kDirect) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
     }
@@ -915,7 +922,7 @@ class VecForwardProducts {
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
-      if (v_direct_ && m_ <= kDirectRows) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
+      if (v_direct_ && m_ <= kDirect) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
       if (v_direct_) return gemm_add_to_reach<T>(m_, Evp_, n, reach, T(1), pt, ld, v_tile, p_->v_stride[2], ot, Evp_);
     }
     for (int64_t c = 0; c < n; c += panel_) {

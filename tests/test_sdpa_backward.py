@@ -143,12 +143,12 @@ def test_grads_over_head_dims_and_key_blocks(device, dtype, head_dim, variant):
 
 
 @low_dtypes
-@pytest.mark.parametrize("rows", [1, 6, 7, 8, 9, 12, 15, 16, 17])
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 9, 12, 15, 16, 17, 65])
 def test_row_counts_at_the_kernel_paths_boundaries(device, dtype, rows):
     """Query row counts on both sides of where the CPU kernels change path (at::vec:
     keys read in place up to 6 rows, packed from 7; bfloat16: in-place dot products up
-    to 8 rows, the 16-row tile products from 9 on, a second, partial tile from 17),
-    forward and backward, bottom-right causal over 300 keys
+    to 8 rows, the 16-row tile products from 9 on, a second, partial tile from 17; 65:
+    a 5-row last block after a 60-row one, which packs), forward and backward, bottom-right causal over 300 keys
     with grouped-query heads and a bool key-padding mask (as a batched decoding or
     speculative step has them)."""
     q, k, v = make_qkv(2, 4, 2, rows, 300, 64, 64, dtype, device, seed=rows, requires_grad=True)

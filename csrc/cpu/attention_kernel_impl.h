@@ -885,6 +885,9 @@ class VecForwardProducts {
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
     const scalar_t* q_rows = row_at<scalar_t>(p_->q, p_->q_stride, b, h, i0);
     m_ = m;
+    // A few rows read keys in place, unless they are the last block of a longer
+    // call whose earlier blocks left the panels packed in the cache.
+    direct_ = m <= kDirect && (i0 == 0 || !cache_.on);
     for (int64_t r = 0; r < m; ++r)
       load_row(qt_.data() + r * E_, q_rows + r * p_->q_stride[2], E_, p_->q_stride[3], static_cast<T>(p_->scale), E_);
   }
@@ -896,7 +899,7 @@ class VecForwardProducts {
   // than the tile has, its product stops at whole vectors past its last row's
   // reach and leaves the rest of its rows unwritten.
   void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
-    if (m_ <= kDirect) {  // decoding: read each key row in place
+    if (direct_) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
     }
@@ -922,7 +925,7 @@ class VecForwardProducts {
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
-      if (v_direct_ && m_ <= kDirect) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
+      if (v_direct_ && direct_) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
       if (v_direct_) return gemm_add_to_reach<T>(m_, Evp_, n, reach, T(1), pt, ld, v_tile, p_->v_stride[2], ot, Evp_);
     }
     for (int64_t c = 0; c < n; c += panel_) {
@@ -970,6 +973,7 @@ class VecForwardProducts {
   const bool v_direct_;
   PanelCache cache_;
   int64_t m_ = 0, kt_size_ = 0;
+  bool direct_ = false;  // this block reads keys (and, same dtype, values) in place
   std::vector<T> qt_, kt_, krow_, vt_;
 };
 

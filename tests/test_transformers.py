@@ -46,6 +46,7 @@ import os
 import subprocess
 import sys
 import unittest.mock
+import warnings
 
 import pytest
 import torch
@@ -529,7 +530,7 @@ def test_compiled_model_matches_eager_with_padding_and_trains():
     with torch.no_grad():
         expected = models["eager"](ids, attention_mask=mask).logits
     ours = models[ATTN_EXT]
-    compiled = torch.compile(ours)
+    compiled = torch.compile(ours, fullgraph=True)
     got = compiled(ids, attention_mask=mask).logits
     scale = expected[real].abs().max()
     assert (got - expected)[real].abs().max() <= TOL[torch.float32] * scale
@@ -540,6 +541,37 @@ def test_compiled_model_matches_eager_with_padding_and_trains():
     for n, p in ours.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_compiled_static_cache_decoding_steps_match_eager(kind):
+    """Decoding steps with a StaticCache under torch.compile(fullgraph=True), as
+    transformers compiles them for generation: the mask function's introspection and
+    the tensor cache length trace without a graph break, and greedy steps after a
+    left-padded eager prefill give eager's tokens and logits (float32 tolerance)."""
+    torch._dynamo.reset()
+    models = _models(kind, torch.float32, impls=("eager", ATTN_EXT))
+    ids = _tokens(2, 10, seed=3)
+    mask = _padding_mask("left", length=10, pad=4)
+    ids = ids.masked_fill(mask == 0, 0)
+
+    def steps(model, forward):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=24)
+        attention = mask
+        logits = [model(ids, attention_mask=attention, past_key_values=cache).logits[:, -1]]
+        for _ in range(6):
+            token = logits[-1].argmax(-1, keepdim=True)
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            logits.append(forward(token, attention_mask=attention, past_key_values=cache).logits[:, -1])
+        return torch.stack(logits, 1)
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # past_key_values= is being renamed
+        ref = steps(models["eager"], models["eager"])
+        ours = models[ATTN_EXT]
+        got = steps(ours, torch.compile(ours, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    _assert_close("compiled static-cache logits", got, ref, TOL[torch.float32])
 
 # --------------------------------------------------------------------------- registration, imports
 

@@ -50,7 +50,6 @@ Importing attn_ext does not import transformers; importing this module does.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 import transformers
@@ -65,15 +64,37 @@ __all__ = ["register", "attention_forward", "attention_mask"]
 # The mask function
 # ---------------------------------------------------------------------------
 
+# The mask functions are read through their code objects and closure cells:
+# torch.compile traces those (fullgraph), where it cannot trace
+# inspect.getclosurevars, nor reading __qualname__ off a function argument.
+
+def _qualname(fn):
+    """``fn``'s qualified name ("" for what is not a Python function)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    return code.co_qualname if hasattr(code, "co_qualname") else fn.__qualname__  # Python 3.10: no co_qualname
+
+
+def _closure_value(fn, name):
+    """The value of the variable ``name`` that ``fn`` closes over, else None."""
+    names = fn.__code__.co_freevars
+    if fn.__closure__ is None or name not in names:
+        return None
+    return fn.__closure__[names.index(name)].cell_contents
+
+
 def _mask_parts(mask_function):
     """The mask functions that and_masks() combined into ``mask_function`` (itself if none),
     seen through the position remapping transformers adds for packed sequences."""
-    name = getattr(mask_function, "__qualname__", "")
+    if mask_function is masking_utils.causal_mask_function or mask_function is masking_utils.bidirectional_mask_function:
+        return [mask_function]
+    name = _qualname(mask_function)
     if name.startswith("and_masks."):
-        parts = inspect.getclosurevars(mask_function).nonlocals.get("mask_functions", ())
+        parts = _closure_value(mask_function, "mask_functions") or ()
         return [leaf for part in parts for leaf in _mask_parts(part)]
     if name.startswith("remap_positions_for_packed_sequence."):
-        inner = inspect.getclosurevars(mask_function).nonlocals.get("mask_function")
+        inner = _closure_value(mask_function, "mask_function")
         if inner is not None:
             return _mask_parts(inner)
     return [mask_function]
@@ -85,7 +106,7 @@ def _kind(part):
         return "causal"
     if part is masking_utils.bidirectional_mask_function:
         return "bidirectional"
-    name = getattr(part, "__qualname__", "")
+    name = _qualname(part)
     for prefix, kind in (("sliding_window_overlay.", "sliding"), ("sliding_window_bidirectional_overlay.", "sliding"),
                          ("packed_sequence_mask_function.", "packed")):
         if name.startswith(prefix):

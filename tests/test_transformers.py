@@ -543,6 +543,25 @@ def test_compiled_model_matches_eager_with_padding_and_trains():
 
 
 
+def test_compiled_batch_of_one_with_and_without_packed_sequences():
+    """torch.compile(fullgraph=True) of a batch-1 model without an attention_mask: the
+    packed-sequence search (data-dependent) is left to transformers' mask under
+    compile, so one sequence gives eager's logits, and sequences of 5, 7 and 4 tokens
+    packed into the row (position_ids restarting at 0, use_cache=False) give each
+    sequence's logits run alone."""
+    torch._dynamo.reset()
+    models = _models("llama", torch.float32, impls=("eager", ATTN_EXT))
+    compiled = torch.compile(models[ATTN_EXT], fullgraph=True, backend="aot_eager")
+    ids = _tokens(1, 16, seed=4)
+    with torch.no_grad():
+        _assert_close("one sequence", compiled(ids).logits, models["eager"](ids).logits, TOL[torch.float32])
+        lengths = [5, 7, 4]
+        position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        got = compiled(ids, position_ids=position_ids, use_cache=False).logits
+        pieces = torch.split(ids, lengths, dim=1)
+        ref = torch.cat([models["eager"](piece).logits for piece in pieces], dim=1)
+    _assert_close("packed sequences", got, ref, TOL[torch.float32])
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_compiled_static_cache_decoding_steps_match_eager(kind):
     """Decoding steps with a StaticCache under torch.compile(fullgraph=True), as

@@ -29,9 +29,12 @@ What a layer's mask becomes:
 - padding-free packed batches (``position_ids`` restarting at 0, no
   ``attention_mask``, batch 1): ``None``; the attention function finds the
   sequences from ``position_ids`` (as transformers' flash-attention path does)
-  and runs :func:`attn_ext.varlen_attention` on them.
-- anything else (static caches under torch.compile, chunked or blockwise masks,
-  custom mask functions): transformers' own (B, 1, L, S) mask,
+  and runs :func:`attn_ext.varlen_attention` on them. Not under torch.compile,
+  where the sequences' number and lengths cannot steer the traced graph: there
+  transformers' packed-sequence mask takes the general path below (and, with a
+  cache, where transformers does not look for packing, neither does attn_ext).
+- anything else (static caches and packed batches under torch.compile, chunked
+  or blockwise masks, custom mask functions): transformers' own (B, 1, L, S) mask,
   as an additive float mask (0 or -inf), which the attention function applies
   as it is. A float mask always carries the whole pattern, and so does a 4-D
   mask a user hands the model (transformers passes it on untouched); only a
@@ -149,8 +152,11 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
             return None
         return padding[:, None, None, :]
     if ("packed" in kinds and attention_mask is None and batch_size == 1
-            and set(kinds) <= {"causal", "sliding", "packed"}):
-        return None  # the attention function reads the sequences off position_ids
+            and set(kinds) <= {"causal", "sliding", "packed"} and not torch.compiler.is_compiling()):
+        # The attention function reads the sequences off position_ids. Not under
+        # torch.compile: their number and lengths are data, which the traced graph
+        # cannot depend on; the general path below masks them with tensor ops.
+        return None
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     full = masking_utils.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
@@ -226,7 +232,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         out = scaled_dot_product_attention(grouped, key, value, attn_mask=attention_mask, scale=scaling,
                                            softcap=softcap)
         return out.reshape(B, Hq, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
-    cu = _packed_sequences(kwargs.get("position_ids"), B, L) if attention_mask is None and L == S else None
+    cu = None
+    if attention_mask is None and L == S and not torch.compiler.is_compiling():
+        cu = _packed_sequences(kwargs.get("position_ids"), B, L)
     if cu is not None:
         # (1, H, T, E) -> (T, H, E): one varlen call over the packed sequences.
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))

@@ -53,7 +53,6 @@ Importing attn_ext does not import transformers; importing this module does.
 
 from __future__ import annotations
 
-
 import torch
 import transformers
 from transformers import masking_utils
@@ -90,7 +89,7 @@ def _closure_value(fn, name):
 def _mask_parts(mask_function):
     """The mask functions that and_masks() combined into ``mask_function`` (itself if none),
     seen through the position remapping transformers adds for packed sequences."""
-    if mask_function is masking_utils.causal_mask_function or mask_function is masking_utils.bidirectional_mask_function:
+    if mask_function in (masking_utils.causal_mask_function, masking_utils.bidirectional_mask_function):
         return [mask_function]
     name = _qualname(mask_function)
     if name.startswith("and_masks."):

@@ -133,21 +133,19 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
     ordered = "causal" in kinds or "sliding" in kinds
     used = q_offset + q_length - kv_offset if offsets_known else None  # keys up to the last query's
     aligned = not ordered or used == kv_length
-    if plain and ordered and used is not None and 0 < used < kv_length:
-        # A static cache: the keys past the last query's position are empty slots that
-        # no query sees. A key mask of the used keys only, (B or 1, 1, 1, used), tells the
-        # attention function to cut the keys there; the pattern is then aligned again.
+    # A static cache: the keys past the last query's position are empty slots that
+    # no query sees. A key mask of the used keys only, (B or 1, 1, 1, used), tells the
+    # attention function to cut the keys there; the pattern is then aligned again.
+    static = ordered and used is not None and 0 < used < kv_length
+    if plain and (aligned or static):
+        keys = used if static else kv_length
         padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
         if padding is None:
-            return torch.ones((1, 1, 1, used), dtype=torch.bool, device=device)
-        return padding[:, None, None, kv_offset:kv_offset + used].to(device=device, dtype=torch.bool)
-    if plain and aligned:
-        padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-        if padding is None:
-            return None
-        padding = padding[:, kv_offset:kv_offset + kv_length].to(device=device, dtype=torch.bool)
-        # An all-True mask changes nothing: dropped when it costs no graph break.
-        if not torch.compiler.is_compiling() and bool(padding.all()):
+            return torch.ones((1, 1, 1, keys), dtype=torch.bool, device=device) if static else None
+        padding = padding[:, kv_offset:kv_offset + keys].to(device=device, dtype=torch.bool)
+        # An all-True mask changes nothing: dropped when it costs no graph break (a
+        # static cache's mask carries the key count, so it stays).
+        if not static and not torch.compiler.is_compiling() and bool(padding.all()):
             return None
         return padding[:, None, None, :]
     if ("packed" in kinds and attention_mask is None and batch_size == 1

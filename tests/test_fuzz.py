@@ -4,7 +4,7 @@ and backward, against the float64 reference (attn_ext/reference.py).
 Hypothesis draws every argument together: shapes (1, odd, the kernels' tile
 boundaries +-1, zero-length), layouts of query, key and value (contiguous, transposed,
 a sliced last dim, a batch broadcast with stride 0), dtypes, masks of every broadcast shape
-(bool and additive float), causal alignments, windows, softcap, ALiBi, sinks, GQA,
+(bool and additive float; bool ones with their last keys hidden from every row), causal alignments, windows, softcap, ALiBi, sinks, GQA,
 dropout and scale. Inputs are fresh random tensors from a drawn seed.
 
 Profiles (tests/conftest.py): "ci" (the default: 1 000 cases, 13 s alone on 2 cores) and
@@ -80,6 +80,9 @@ def calls(draw):
         dims = [draw(st.booleans()) for _ in range(4)]
         shape = [n if full else 1 for n, full in zip((B, Hq, L, S), dims)]
         case["mask"] = (mask_kind, shape[draw(st.integers(0, 2)):])
+        if mask_kind == "bool" and dims[3] and S > 0 and draw(st.booleans()):
+            # the last keys hidden from every row (a preallocated cache): the CPU kernels cut them
+            case["mask_tail"] = draw(st.integers(1, S))
     case["is_causal"] = draw(st.booleans())
     case["causal_alignment"] = draw(st.sampled_from(["top_left", "bottom_right"]))
     if draw(st.integers(0, 3)) == 0:
@@ -116,6 +119,8 @@ def _inputs(case):
         kind, shape = case["mask"]
         if kind == "bool":
             mask = (torch.rand(shape, generator=gen) < 0.8).to(device)
+            if case.get("mask_tail"):
+                mask[..., S - case["mask_tail"]:] = False
         else:
             mask = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
     if "alibi" in case:

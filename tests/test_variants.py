@@ -384,6 +384,72 @@ def test_keys_outside_every_window_get_zero_grad(device):
     assert (gv[..., :150, :] != 0).all()
 
 
+# A bool mask whose last keys no row sees: a preallocated cache with its written
+# slots marked, as in gpt-fast or transformers' StaticCache under torch.compile.
+# The CPU kernels cut the keys after the last visible one; the results, dK and dV
+# past it (0) included, are the uncut call's. cfg as CASES, and "tail": how the
+# mask is made (see _tail_mask).
+TAIL_CASES = {
+    # one query row per sequence, a key row per batch entry (written 77 and 140 of 300)
+    "decode_key_rows_gqa": dict(Hq=8, Hkv=2, L=1, S=300, E=32, Ev=32, tail="key_rows", softcap=3.0,
+                                sinks=torch.float32),
+    # gpt-fast's mask: query i at position 50 + i sees keys 0 .. 50 + i of 160
+    "chunk_causal_rows": dict(L=7, S=160, tail="causal_rows", alibi="H"),
+    # a random (B, H, L, S) mask, the last 30 keys hidden; the causal offset and the
+    # window stay the uncut S's (bottom_right: S - L)
+    "random_bottom_right_window": dict(Hq=4, Hkv=2, L=21, S=90, tail="random", is_causal=True,
+                                       causal_alignment="bottom_right", window=(40, 0), alibi="NH"),
+    # every key hidden: rows without keys, no key at all to run on
+    "all_hidden": dict(L=5, S=64, tail="none_seen"),
+}
+
+
+def _tail_mask(cfg, B, H, L, S, device, seed):
+    kind = cfg["tail"]
+    if kind == "key_rows":
+        used = torch.tensor([77, 140])[:B]
+        return (torch.arange(S) < used.view(B, 1, 1, 1)).to(device)
+    if kind == "causal_rows":
+        return (torch.arange(S).view(1, S) <= 50 + torch.arange(L).view(L, 1)).view(1, 1, L, S).to(device)
+    if kind == "random":
+        mask = make_mask("bool", (B, H, L, S), None, device, seed=seed, keep_prob=0.8)
+        mask[..., S - 30:] = False
+        return mask
+    return torch.zeros(1, 1, L, S, dtype=torch.bool, device=device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", list(TAIL_CASES))
+def test_keys_no_row_sees_are_cut_and_match_reference(device, case, dtype):
+    cfg = TAIL_CASES[case]
+    q, k, v, _, kw = _case(case, dtype, device, seed=21, requires_grad=True, cfg=cfg)
+    B, H, L, S = q.size(0), q.size(1), q.size(2), k.size(2)
+    mask = _tail_mask(cfg, B, H, L, S, device, seed=22)
+    check_forward(q, k, v, mask, kw)
+    _, gk, gv = check_backward(q, k, v, mask, kw, seed=21, lse_weight=True)[:3]
+    seen = mask.expand(B, H, L, S).any(-2).any(-2).any(0)  # (S,): keys some row sees
+    last = int(seen.nonzero().max()) + 1 if seen.any() else 0
+    assert last < S, "the mask hides no key at the end: nothing to cut"
+    assert (gk[..., last:, :] == 0).all() and (gv[..., last:, :] == 0).all()
+
+
+def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):
+    """Dropout draws by key index: a bool mask whose tail is hidden (cut) gives the same
+    output and gradients as the same mask in float (-inf; not cut) under one seed."""
+    q, k, v = make_qkv(2, 4, 2, 9, 120, 16, 16, torch.float32, device, seed=23, requires_grad=True)
+    mask = (torch.arange(120) < torch.tensor([40, 70]).view(2, 1, 1, 1)).to(device)
+    additive = torch.zeros(mask.shape, device=device).masked_fill(~mask, float("-inf"))
+    g = torch.randn(2, 4, 9, 16, generator=make_generator(24)).to(device)
+    results = []
+    for m in (mask, additive):
+        torch.manual_seed(5)
+        out = sdpa(q, k, v, m, dropout_p=0.3, enable_gqa=True)
+        results.append((out, *torch.autograd.grad((out * g).sum(), [q, k, v])))
+    for name, a, b in zip(("out", "grad query", "grad key", "grad value"), *results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert (results[0][0] != 0).any() and (results[0][3][:, :, 70:] == 0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)
 def test_rows_without_keys_with_sinks_give_zero_and_lse_equal_to_the_sink(device, dtype):
     # top_left L > S, window (3, 0): rows i >= S + 3 see no key; and a bool mask row

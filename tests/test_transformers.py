@@ -567,8 +567,20 @@ def test_compiled_static_cache_decoding_steps_match_eager(kind):
     """Decoding steps with a StaticCache under torch.compile(fullgraph=True), as
     transformers compiles them for generation: the mask function's introspection and
     the tensor cache length trace without a graph break, and greedy steps after a
-    left-padded eager prefill give eager's tokens and logits (float32 tolerance)."""
+    left-padded eager prefill give eager's tokens and logits (float32 tolerance).
+    The traced graph gives every kernel call a one-row bool mask: a causal layer's
+    is the whole cache's (the written slots and the padding), which the CPU kernels
+    cut after the last written slot."""
     torch._dynamo.reset()
+    masks = []
+
+    def recording(gm, example_inputs):  # the masks the traced kernel calls get, then aot_eager
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and str(node.target).startswith("attn_ext."):
+                mask = node.args[3]
+                masks.append(None if mask is None else mask.meta["example_value"])
+        return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
+
     models = _models(kind, torch.float32, impls=("eager", ATTN_EXT))
     ids = _tokens(2, 10, seed=3)
     mask = _padding_mask("left", length=10, pad=4)
@@ -588,8 +600,15 @@ def test_compiled_static_cache_decoding_steps_match_eager(kind):
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values= is being renamed
         ref = steps(models["eager"], models["eager"])
         ours = models[ATTN_EXT]
-        got = steps(ours, torch.compile(ours, fullgraph=True, backend="aot_eager"))
+        got = steps(ours, torch.compile(ours, fullgraph=True, backend=recording))
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # Every call: a one-row bool mask. Causal layers: the whole cache's 24 slots
+    # (the kernels cut it); sliding layers: their window's cache, all of it used.
+    shapes = [(None, ()) if m is None else (m.dtype, tuple(m.shape)) for m in masks]
+    assert len(masks) >= ours.config.num_hidden_layers and all(
+        dtype == torch.bool and shape[-2] == 1 for dtype, shape in shapes), shapes
+    if kind != "mistral":  # mistral's layers are all sliding
+        assert any(shape[-1] == 24 for _, shape in shapes), shapes
     _assert_close("compiled static-cache logits", got, ref, TOL[torch.float32])
 
 # --------------------------------------------------------------------------- registration, imports

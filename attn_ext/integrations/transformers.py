@@ -24,8 +24,10 @@ What a layer's mask becomes:
   True without padding). The attention function cuts the keys to those n, and
   the pattern is the one above: the kernels never see the empty slots. The
   cache's length comes as a tensor: it is read in eager code only (reading it
-  under torch.compile would break the graph), so compiled code takes the
-  general path below.
+  under torch.compile would break the graph). Compiled code takes the general
+  path below, where a decoding step's (one query row) causal mask is one bool
+  row of the whole cache, the written slots True: the CPU kernels cut the keys
+  after the last True themselves, so the empty slots cost nothing there either.
 - padding-free packed batches (``position_ids`` restarting at 0, no
   ``attention_mask``, batch 1): ``None``; the attention function finds the
   sequences from ``position_ids`` (as transformers' flash-attention path does)
@@ -34,12 +36,15 @@ What a layer's mask becomes:
   transformers' packed-sequence mask takes the general path below (and, with a
   cache, where transformers does not look for packing, neither does attn_ext).
 - anything else (static caches and packed batches under torch.compile, chunked
-  or blockwise masks, custom mask functions): transformers' own (B, 1, L, S) mask,
-  as an additive float mask (0 or -inf), which the attention function applies
-  as it is. A float mask always carries the whole pattern, and so does a 4-D
-  mask a user hands the model (transformers passes it on untouched); only a
-  bool mask of one query row is key padding: that is how the attention function
-  tells them apart (and one shorter than the keys cuts them, as above).
+  or blockwise masks, custom mask functions): transformers' own (B, 1, L, S) bool
+  mask, which the attention function applies as it is; with one query row it
+  would read as key padding (below), so there only causal and bidirectional
+  patterns stay bool, the others become an additive float mask (0 or -inf).
+  A float mask or a bool mask of several rows carries the whole pattern, and so
+  does a 4-D mask a user hands the model (transformers passes it on untouched);
+  a bool mask of one query row is key padding (the causal pattern adds nothing
+  to one row that sees the last key): that is how the attention function tells
+  them apart (and one shorter than the keys cuts them, as above).
 
 Grouped-query attention runs on the key/value heads as they come (no
 ``repeat_kv``); a decoding step (one query) takes a group's query heads as the
@@ -160,6 +165,14 @@ def attention_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0,
                                    kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                                    allow_is_causal_skip=False, allow_is_bidirectional_skip=False, device=device,
                                    **kwargs)
+    if q_length > 1 or set(kinds) <= {"causal", "bidirectional"}:
+        # transformers' bool mask as it is. With one query row and causal or
+        # bidirectional layers it is that row's keys, as a key-padding mask says them
+        # (a static cache under torch.compile: the written slots, padding included),
+        # and the kernels leave out the keys past the last True (the empty slots).
+        return full
+    # One query row of another pattern (sliding, chunked, custom) would read as key
+    # padding, which the attention function adds a bottom-right causal window to.
     additive = torch.zeros(full.shape, dtype=dtype, device=full.device)
     return additive.masked_fill_(~full, float("-inf"))
 

@@ -48,6 +48,7 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     (["bench", "--decode", "--lengths", "0"], "--lengths, --batches and --rounds must be >= 1"),
     (["bench", "--decode", "--tokens", "128"], "--tokens must be in 1..127"),
     (["bench", "--decode", "--dtype", "int8"], "int8"),
+    (["bench", "--decode", "--written", "0"], "--written must be in (0, 1], got 0.0"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
     rc, out, err = _run(*args)
@@ -189,6 +190,21 @@ def test_bench_decode_times_steps_and_the_char_gpt(tmp_path):
     # prefill and steps reuse their graphs (not one per token; 8 is torch.compile's recompile limit)
     assert 1 <= gpt["compiled"]["graphs"] <= 8, gpt["compiled"]
     assert "ours/sdpa" in out and "tokens/s" in out and "NO" not in out and "graphs for the whole" in out
+
+
+def test_bench_decode_on_a_preallocated_cache_masks_both_implementations(tmp_path):
+    import json
+
+    json_path = tmp_path / "written.json"
+    rc, out, err = _run("bench", "--decode", "--written", "0.25", "--lengths", "400", "--batches", "1",
+                        "--no-model", "--rounds", "1", "--json", str(json_path))
+    assert rc == 0, out[-2000:] + err[-2000:]
+    steps = json.loads(json_path.read_text())["steps"]
+    assert sorted((r["Hkv"], r["S"], r["written"]) for r in steps) == [(2, 400, 0.25), (8, 400, 0.25)]
+    for r in steps:
+        # the same masked attention as SDPA's: 100 keys of 400 (unmasked, the outputs would differ)
+        assert r["rel_err_vs_sdpa"] < 1e-5 and r["target"] is None, r
+    assert "the first 0.25 x S written" in out
 
 
 def test_bench_decode_targets_are_issue_13s_shapes(tmp_path):

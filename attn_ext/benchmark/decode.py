@@ -8,7 +8,10 @@ head dim 64. Both implementations are called in alternation, --rounds short
 rounds of calls each; the figure is each one's best round per call (a step
 takes microseconds, and this takes the machine's interruptions out), and the
 ratio is ours / SDPA (below 1: attn_ext is faster). --targets times issue 13's five
-target shapes instead, with the target beside each.
+target shapes instead, with the target beside each. --written F times a
+preallocated cache instead (a static KV cache): of the S slots the first F·S are
+written, and both implementations get a (B, 1, 1, S) bool mask of them (attn_ext's
+CPU kernels leave out the keys after the last written slot; SDPA computes them all).
 
 Then, unless --no-model, generation with the char-level GPT of
 examples/char_gpt.py (a source checkout's; random weights, 4 layers,
@@ -85,15 +88,18 @@ def best_per_call(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
 
 
 def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rounds: int,
-              gen: torch.Generator, device: torch.device = torch.device("cpu")) -> dict:
+              gen: torch.Generator, device: torch.device = torch.device("cpu"), written: float | None = None) -> dict:
     import attn_ext
 
     q = torch.randn(B, Hq, 1, E, generator=gen).to(device, dtype)
     k = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
     v = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
     gqa = Hq != Hkv
-    fns = {"ours": lambda: attn_ext.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
-           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
+    mask = None  # with `written`: the slots written so far of a preallocated cache
+    if written is not None:
+        mask = (torch.arange(S, device=device) < max(1, round(written * S))).view(1, 1, 1, S).expand(B, 1, 1, S)
+    fns = {"ours": lambda: attn_ext.scaled_dot_product_attention(q, k, v, mask, enable_gqa=gqa),
+           "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=gqa)}
     # short rounds (5 calls at the largest caches, ~200 at the smallest; 200 on a GPU),
     # alternating: both implementations see the same state of the machine
     calls = 200 if device.type == "cuda" else max(5, int(2e5 // (B * Hkv * S * E // 64 + 1000)))
@@ -101,7 +107,8 @@ def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rou
     err = common.rel_err(fns["ours"]().double(), fns["sdpa"]().double())
     return {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "E": E, "dtype": common.dtype_name(dtype),
             "ours_us": best["ours"], "sdpa_us": best["sdpa"], "ratio": best["ours"] / best["sdpa"],
-            "rel_err_vs_sdpa": err, "target": TARGETS.get((B, Hq, Hkv, S, E))}
+            "rel_err_vs_sdpa": err, "written": written,
+            "target": None if written is not None else TARGETS.get((B, Hq, Hkv, S, E))}
 
 
 # ----------------------------------------------------------------------------
@@ -213,6 +220,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cache lengths S, comma-separated")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     p.add_argument("--targets", action="store_true", help="time issue 13's five target shapes instead of the grid")
+    p.add_argument("--written", type=float, default=None, metavar="F",
+                   help="a preallocated cache of S slots, the first F*S written, behind a bool mask of them")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; each figure is the best (default 7)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N); on the README's Xeon that call alone slows SDPA's own "
@@ -230,6 +239,8 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
         p.error(str(exc))
     if any(x < 1 for x in args.length_list + args.batch_list) or args.rounds < 1:
         p.error(f"--lengths, --batches and --rounds must be >= 1, got {args.lengths}, {args.batches}, {args.rounds}")
+    if args.written is not None and not 0.0 < args.written <= 1.0:
+        p.error(f"--written must be in (0, 1], got {args.written}")
     if not 1 <= args.tokens < 128:
         p.error(f"--tokens must be in 1..127 (the char GPT's context is 128), got {args.tokens}")
     return args
@@ -249,6 +260,8 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     print(common.describe_machine(info))
     print(f"ours: attn_ext from {Path(attn_ext.__file__).parent}, CPU kernels: {info['cpu_isa_active']}")
     print(f"timing: best of {args.rounds} alternating rounds of calls, µs per step; ratio = ours / SDPA (< 1: ours faster)")
+    if args.written is not None:
+        print(f"a preallocated cache: S slots, the first {args.written:g} x S written, a bool mask of them for both")
     if args.targets:
         cases = [(B, Hq, Hkv, S, E) for (B, Hq, Hkv, S, E) in TARGETS]
     else:
@@ -257,7 +270,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     steps = []
     for dtype in args.dtypes:
         for B, Hq, Hkv, S, E in cases:
-            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen, device))
+            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen, device, args.written))
     rows = [(r["dtype"], r["B"], f"{r['Hq']}/{r['Hkv']}", r["S"], r["E"], common.fmt(r["ours_us"]),
              common.fmt(r["sdpa_us"]), common.fmt(r["ratio"], 2),
              "" if r["target"] is None else f"<= {r['target']}: {'met' if r['ratio'] <= r['target'] else 'not met'}")

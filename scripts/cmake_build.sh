@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds attn_ext as a C++ library against the LibTorch of the active Python's
-# torch (CMakeLists.txt: the README's three cmake lines), runs its C++ tests
+# torch (CMakeLists.txt: docs/building.md's cmake lines), runs its C++ tests
 # with ctest, installs it into <build-dir>/install, then builds and runs
 # examples/cpp, a program that finds it there with find_package(attn_ext).
 #   scripts/cmake_build.sh [build-dir]      (default build/cmake)

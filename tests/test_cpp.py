@@ -1,7 +1,7 @@
 """The C++ library (CMakeLists.txt) and its C++ tests, built against LibTorch, run through
 ctest, installed, and used by a program that finds it with find_package(attn_ext).
 
-scripts/cmake_build.sh runs the README's cmake lines as written (with a CUDA build of
+scripts/cmake_build.sh runs docs/building.md's cmake lines as written (with a CUDA build of
 torch, CMakeLists.txt finds the toolkit and builds the CUDA kernels too): it builds
 libattn_ext and tests/cpp/test_attention.cpp (which calls the operators through
 <attn_ext/attn_ext.h> and checks them against plain ATen math) and, on x86-64,

@@ -433,6 +433,26 @@ def test_keys_no_row_sees_are_cut_and_match_reference(device, case, dtype):
     assert (gk[..., last:, :] == 0).all() and (gv[..., last:, :] == 0).all()
 
 
+def test_slots_past_the_cut_are_never_read(device):
+    """A cache allocated with torch.empty may hold NaN in its unwritten slots. On the CPU
+    the keys past the last visible one are not read, so a NaN there reaches neither the
+    output nor a gradient (SDPA's math spreads a NaN value to every row, as 0 * NaN)."""
+    if device != "cpu":
+        pytest.skip("the CUDA kernels do not cut (the mask would have to be read on the host)")
+    q, k, v = make_qkv(2, 4, 2, 3, 200, 16, 16, torch.float32, device, seed=25)
+    mask = (torch.arange(200) < torch.tensor([50, 120]).view(2, 1, 1, 1)).to(device)
+    g = torch.randn(2, 4, 3, 16, generator=make_generator(26)).to(device)
+    results = []
+    for fill in (0.0, float("nan")):
+        kf, vf = k.clone(), v.clone()
+        kf[:, :, 120:], vf[:, :, 120:] = fill, fill
+        leaves = [t.requires_grad_(True) for t in (q.clone(), kf, vf)]
+        out = sdpa(*leaves, mask, enable_gqa=True)
+        results.append((out, *torch.autograd.grad((out * g).sum(), leaves)))
+    for name, clean, poisoned in zip(("out", "grad query", "grad key", "grad value"), *results):
+        assert torch.equal(clean, poisoned), name
+
+
 def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):
     """Dropout draws by key index: a bool mask whose tail is hidden (cut) gives the same
     output and gradients as the same mask in float (-inf; not cut) under one seed."""

@@ -86,33 +86,43 @@ def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_to
     # Decoding: three timed generate() calls each, alternating; the median. With
     # transformers' default DynamicCache, then with a StaticCache (keys preallocated
     # for prompt + new tokens: the mask function's static path).
+    def generate(model, extra):
+        def fn():
+            start = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                     pad_token_id=0, **extra)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start, out[:, prompt:]
+        return fn
+
     same = {}
     for cache, key in (("dynamic", "decode_tokens_per_s"), ("static", "decode_static_tokens_per_s")):
         extra = dict(cache_implementation="static") if cache == "static" else {}
-        tokens, times = {}, {k: [] for k in models}
-        for _ in range(3):
-            for k, m in models.items():
-                start = time.perf_counter()
-                with torch.no_grad():
-                    out = m.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
-                                     max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                     pad_token_id=0, **extra)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[k].append(time.perf_counter() - start)
-                tokens[k] = out[:, prompt:]
-        result[key] = {k: batch * new_tokens / sorted(v)[len(v) // 2] for k, v in times.items()}
-        same[cache] = bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+        result[key], same[cache] = tokens_per_s({k: generate(m, extra) for k, m in models.items()}, batch * new_tokens)
     result["compiled_static_tokens_per_s"], same["compiled"] = compiled_static_steps(models, prompt_ids, new_tokens)
     result["same_tokens"] = same  # greedy tokens of attn_ext and sdpa, per decoding mode
     return result
 
 
+def tokens_per_s(runs, tokens_made, rounds=3):
+    """``rounds`` rounds of each run (``fn() -> (seconds, new tokens)``), alternating: the
+    median tokens/s by name, and whether attn_ext's and sdpa's last tokens agree."""
+    times, tokens = {k: [] for k in runs}, {}
+    for _ in range(rounds):
+        for k, fn in runs.items():
+            elapsed, tokens[k] = fn()
+            times[k].append(elapsed)
+    rate = {k: tokens_made / sorted(v)[len(v) // 2] for k, v in times.items()}
+    return rate, bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+
+
 def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048):
     """Tokens/s of ``new_tokens`` greedy steps of each model compiled (fullgraph) on a
-    StaticCache of ``slots`` after an eager prefill of ``prompt_ids``: the median of
-    three alternating rounds, after a compiling round. Returns (tokens/s by name,
-    whether the tokens agree)."""
+    StaticCache of ``slots`` after an eager prefill of ``prompt_ids`` (tokens_per_s,
+    after a compiling round)."""
     from transformers import StaticCache
 
     batch, prompt = prompt_ids.shape
@@ -137,13 +147,7 @@ def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048):
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values=, which newer versions call cache=
         for k in models:
             steps(k, 3)  # compiles
-        times, tokens = {k: [] for k in models}, {}
-        for _ in range(3):
-            for k in models:
-                elapsed, tokens[k] = steps(k, new_tokens)
-                times[k].append(elapsed)
-    rate = {k: batch * new_tokens / sorted(v)[len(v) // 2] for k, v in times.items()}
-    return rate, bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
+        return tokens_per_s({k: (lambda k=k: steps(k, new_tokens)) for k in models}, batch * new_tokens)
 
 
 def main(argv=None):

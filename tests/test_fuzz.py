@@ -4,8 +4,8 @@ and backward, against the float64 reference (attn_ext/reference.py).
 Hypothesis draws every argument together: shapes (1, odd, the kernels' tile
 boundaries +-1, zero-length), layouts of query, key and value (contiguous, transposed,
 a sliced last dim, a batch broadcast with stride 0), dtypes, masks of every broadcast shape
-(bool and additive float; bool ones with their last keys hidden from every row), causal alignments, windows, softcap, ALiBi, sinks, GQA,
-dropout and scale. Inputs are fresh random tensors from a drawn seed.
+(bool and additive float; bool ones with their last keys hidden from every row), causal
+alignments, windows, softcap, ALiBi, sinks, GQA, dropout and scale. Inputs are fresh random tensors from a drawn seed.
 
 Profiles (tests/conftest.py): "ci" (the default: 1 000 cases, 13 s alone on 2 cores) and
 "long" (`pytest tests/test_fuzz.py --hypothesis-profile=long --hypothesis-show-statistics`:

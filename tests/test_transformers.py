@@ -542,7 +542,6 @@ def test_compiled_model_matches_eager_with_padding_and_trains():
         torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
 
 
-
 def test_compiled_batch_of_one_with_and_without_packed_sequences():
     """torch.compile(fullgraph=True) of a batch-1 model without an attention_mask: the
     packed-sequence search (data-dependent) is left to transformers' mask under
@@ -562,6 +561,7 @@ def test_compiled_batch_of_one_with_and_without_packed_sequences():
         ref = torch.cat([models["eager"](piece).logits for piece in pieces], dim=1)
     _assert_close("packed sequences", got, ref, TOL[torch.float32])
 
+
 @pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
 def test_compiled_static_cache_decoding_steps_match_eager(kind):
     """Decoding steps with a StaticCache under torch.compile(fullgraph=True), as
@@ -576,8 +576,9 @@ def test_compiled_static_cache_decoding_steps_match_eager(kind):
 
     def recording(gm, example_inputs):  # the masks the traced kernel calls get, then aot_eager
         for node in gm.graph.nodes:
-            if node.op == "call_function" and str(node.target).startswith("attn_ext."):
-                mask = node.args[3]
+            if node.op == "call_function" and node.target is torch.ops.attn_ext.attention_forward.default:
+                named = {a.name: v for a, v in zip(node.target._schema.arguments, node.args)} | node.kwargs
+                mask = named.get("attn_mask")
                 masks.append(None if mask is None else mask.meta["example_value"])
         return torch._dynamo.backends.registry.lookup_backend("aot_eager")(gm, example_inputs)
 
@@ -610,6 +611,7 @@ def test_compiled_static_cache_decoding_steps_match_eager(kind):
     if kind != "mistral":  # mistral's layers are all sliding
         assert any(shape[-1] == 24 for _, shape in shapes), shapes
     _assert_close("compiled static-cache logits", got, ref, TOL[torch.float32])
+
 
 # --------------------------------------------------------------------------- registration, imports
 

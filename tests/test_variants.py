@@ -356,6 +356,19 @@ def test_cuda_splits_the_keys_where_the_tasks_leave_sms_idle(device):
     assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # a task per SM: nothing idle
 
 
+def test_split_kv_over_batch_entries_cut_apart(device, four_threads):
+    """Two decoding requests in one 3000-slot cache, 2600 and 300 slots written: on the
+    CPU each entry runs on its own keys, split between threads (the shorter one's
+    single tile leaves a split empty), and matches the reference."""
+    cfg = dict(B=2, Hq=1, L=1, S=3000, E=64, Ev=64, tail="key_rows", used=[2600, 300])
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, _, kw = _case("decode", dtype, device, seed=19, requires_grad=True, cfg=cfg)
+        mask = _tail_mask(cfg, 2, 1, 1, 3000, device, seed=19)
+        check_forward(q, k, v, mask, kw)
+        _, gk, gv = check_backward(q, k, v, mask, kw, seed=19, lse_weight=True)[:3]
+        assert (gk[1, :, 300:] == 0).all() and (gv[1, :, 300:] == 0).all()
+
+
 def test_split_kv_keeps_dropout_and_nan(device, four_threads):
     """The dropout of a split call is the unsplit call's (one thread: no split), and a
     NaN in a row's scores reaches its output and lse through the merge."""
@@ -386,18 +399,25 @@ def test_keys_outside_every_window_get_zero_grad(device):
 
 # A bool mask whose last keys no row sees: a preallocated cache with its written
 # slots marked, as in gpt-fast or transformers' StaticCache under torch.compile.
-# The CPU kernels cut the keys after the last visible one; the results, dK and dV
-# past it (0) included, are the uncut call's. cfg as CASES, and "tail": how the
-# mask is made (see _tail_mask).
+# The CPU kernels cut the keys after the last visible one, per batch entry when
+# the mask has a batch dim (requests at different positions of one cache); the
+# results, dK and dV past each entry's last visible key (0) included, are the
+# uncut call's. cfg as CASES, and "tail": how the mask is made (see _tail_mask),
+# with "used" the keys each batch entry has written.
 TAIL_CASES = {
     # one query row per sequence, a key row per batch entry (written 77 and 140 of 300)
-    "decode_key_rows_gqa": dict(Hq=8, Hkv=2, L=1, S=300, E=32, Ev=32, tail="key_rows", softcap=3.0,
-                                sinks=torch.float32),
+    "decode_key_rows_gqa": dict(Hq=8, Hkv=2, L=1, S=300, E=32, Ev=32, tail="key_rows", used=[77, 140],
+                                softcap=3.0, sinks=torch.float32),
+    # four requests at different positions of one 512-slot cache, a chunk of 4 rows
+    # each: row r of entry b sits at position used[b] - 4 + r (entry 2 fills the cache,
+    # entry 3 has written 9 slots); the kernels run each entry on its own keys
+    "entries_causal_rows_gqa": dict(B=4, Hq=4, Hkv=2, L=4, S=512, E=32, Ev=32, tail="entry_causal_rows",
+                                    used=[300, 45, 512, 9], alibi="NH"),
     # gpt-fast's mask: query i at position 50 + i sees keys 0 .. 50 + i of 160
     "chunk_causal_rows": dict(L=7, S=160, tail="causal_rows", alibi="H"),
-    # a random (B, H, L, S) mask, the last 30 keys hidden; the causal offset and the
-    # window stay the uncut S's (bottom_right: S - L)
-    "random_bottom_right_window": dict(Hq=4, Hkv=2, L=21, S=90, tail="random", is_causal=True,
+    # a random (B, H, L, S) mask, the last 30 keys hidden (40 in entry 1); the causal
+    # offset and the window stay the uncut S's (bottom_right: S - L)
+    "random_bottom_right_window": dict(Hq=4, Hkv=2, L=21, S=190, tail="random", used=[160, 150], is_causal=True,
                                        causal_alignment="bottom_right", window=(40, 0), alibi="NH"),
     # every key hidden: rows without keys, no key at all to run on
     "all_hidden": dict(L=5, S=64, tail="none_seen"),
@@ -406,15 +426,16 @@ TAIL_CASES = {
 
 def _tail_mask(cfg, B, H, L, S, device, seed):
     kind = cfg["tail"]
+    used = torch.tensor(cfg.get("used", [S] * B)).view(B, 1, 1, 1)
     if kind == "key_rows":
-        used = torch.tensor([77, 140])[:B]
-        return (torch.arange(S) < used.view(B, 1, 1, 1)).to(device)
+        return (torch.arange(S) < used).to(device)
+    if kind == "entry_causal_rows":
+        return (torch.arange(S).view(1, 1, 1, S) <= used - L + torch.arange(L).view(1, 1, L, 1)).to(device)
     if kind == "causal_rows":
         return (torch.arange(S).view(1, S) <= 50 + torch.arange(L).view(L, 1)).view(1, 1, L, S).to(device)
     if kind == "random":
         mask = make_mask("bool", (B, H, L, S), None, device, seed=seed, keep_prob=0.8)
-        mask[..., S - 30:] = False
-        return mask
+        return mask & (torch.arange(S) < used).to(device)
     return torch.zeros(1, 1, L, S, dtype=torch.bool, device=device)
 
 
@@ -427,10 +448,11 @@ def test_keys_no_row_sees_are_cut_and_match_reference(device, case, dtype):
     mask = _tail_mask(cfg, B, H, L, S, device, seed=22)
     check_forward(q, k, v, mask, kw)
     _, gk, gv = check_backward(q, k, v, mask, kw, seed=21, lse_weight=True)[:3]
-    seen = mask.expand(B, H, L, S).any(-2).any(-2).any(0)  # (S,): keys some row sees
-    last = int(seen.nonzero().max()) + 1 if seen.any() else 0
-    assert last < S, "the mask hides no key at the end: nothing to cut"
-    assert (gk[..., last:, :] == 0).all() and (gv[..., last:, :] == 0).all()
+    seen = mask.expand(B, H, L, S).any(-2).any(-2)  # (B, S): the keys some row of each entry sees
+    last = [int(row.nonzero().max()) + 1 if row.any() else 0 for row in seen]
+    assert min(last) < S, "the mask hides no key at the end: nothing to cut"
+    for b, end in enumerate(last):
+        assert (gk[b, :, end:] == 0).all() and (gv[b, :, end:] == 0).all(), f"batch entry {b}"
 
 
 def test_slots_past_the_cut_are_never_read(device):
@@ -443,9 +465,9 @@ def test_slots_past_the_cut_are_never_read(device):
     mask = (torch.arange(200) < torch.tensor([50, 120]).view(2, 1, 1, 1)).to(device)
     g = torch.randn(2, 4, 3, 16, generator=make_generator(26)).to(device)
     results = []
-    for fill in (0.0, float("nan")):
+    for fill in (0.0, float("nan")):  # each batch entry's unwritten slots
         kf, vf = k.clone(), v.clone()
-        kf[:, :, 120:], vf[:, :, 120:] = fill, fill
+        kf[0, :, 50:], vf[0, :, 50:], kf[1, :, 120:], vf[1, :, 120:] = fill, fill, fill, fill
         leaves = [t.requires_grad_(True) for t in (q.clone(), kf, vf)]
         out = sdpa(*leaves, mask, enable_gqa=True)
         results.append((out, *torch.autograd.grad((out * g).sum(), leaves)))
@@ -467,7 +489,7 @@ def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):
         results.append((out, *torch.autograd.grad((out * g).sum(), [q, k, v])))
     for name, a, b in zip(("out", "grad query", "grad key", "grad value"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-    assert (results[0][0] != 0).any() and (results[0][3][:, :, 70:] == 0).all()
+    assert (results[0][0] != 0).any() and (results[0][3][0, :, 40:] == 0).all() and (results[0][3][1, :, 70:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <fstream>
 #include <string>
+#include <vector>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -64,26 +65,41 @@ void advise_huge_pages(const at::Tensor& t) {
 // cache, as in gpt-fast or transformers' StaticCache under torch.compile, whose
 // shapes cannot shrink with the cache): the call then costs what the written
 // keys cost, not the whole cache. Every row's result is the same math (the cut
-// keys' weights are exactly 0; dropout draws by key index, not by S). The scan
-// reads each distinct mask row backwards from its end down to the last visible
-// key found so far, the last rows first (they see the most keys in causal
-// masks), 8 keys to a load on a contiguous row; it stops at the first row
-// that sees key S - 1: one key row of 32768 slots with 1 written, about 2 us
-// (AMD EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask of
-// 4000 written slots: 4.2 ms as a float mask (not cut), 0.17 ms (float32).
-// CPU only: on CUDA the mask would have to be read on the host.
-int64_t keys_in_view(const AttnParams& p) {
+// keys' weights are exactly 0; dropout draws by key index, not by S).
+//
+// A mask with a batch dim is read per batch entry, whose sequences may have
+// written different numbers of slots (a batch of requests at different
+// positions): batch_ends[b] is then one past the last key that entry's rows
+// see, and the kernels run each entry on its own keys (AttnParams::batch_keys).
+// batch_ends stays empty when every entry ends at the same key.
+//
+// The scan reads each distinct mask row backwards from its end down to the last
+// visible key found so far in its batch entry, the last rows first (they see
+// the most keys in causal masks), 32 keys to a step on a contiguous row; an
+// entry's scan stops at its first row that sees key S - 1: one key row of
+// 32768 slots with 1 written, about 2 us (AMD EPYC Zen 4). A decoding step of 8
+// heads over a (1, 1, 1, 32768) mask of 4000 written slots: 4.2 ms as a float
+// mask (not cut), 0.17 ms (float32). CPU only: on CUDA the mask would have to
+// be read on the host.
+int64_t keys_in_view(const AttnParams& p, std::vector<int64_t>& batch_ends) {
+  batch_ends.clear();
   const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
   if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return p.S;
   const auto* mask = static_cast<const uint8_t*>(p.mask);  // a bool is one byte, 0 or 1
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
-  int64_t seen = 1;  // one past the last visible key found so far
-  for (int64_t b = nb - 1; b >= 0; --b) {
-    for (int64_t h = nh - 1; h >= 0; --h) {
-      for (int64_t i = nl - 1; i >= 0; --i) {
+  std::vector<int64_t> ends(nb);
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t seen = 1;  // one past the last visible key of entry b found so far
+    for (int64_t h = nh - 1; h >= 0 && seen < p.S; --h) {
+      for (int64_t i = nl - 1; i >= 0 && seen < p.S; --i) {
         const uint8_t* row = mask + b * stride[0] + h * stride[1] + i * stride[2];
         int64_t j = p.S - 1;  // keys [seen, j] are still to look at
         if (stride[3] == 1) {
+          for (; j - 31 >= seen; j -= 32) {
+            uint64_t words[4];
+            std::memcpy(words, row + j - 31, 32);
+            if ((words[0] | words[1] | words[2] | words[3]) != 0) break;  // a visible key among j - 31 .. j
+          }
           for (; j - 7 >= seen; j -= 8) {
             uint64_t word;
             std::memcpy(&word, row + j - 7, 8);
@@ -96,11 +112,19 @@ int64_t keys_in_view(const AttnParams& p) {
             break;
           }
         }
-        if (seen == p.S) return p.S;
       }
     }
+    ends[b] = seen;
   }
-  return seen;
+  const int64_t end = *std::max_element(ends.begin(), ends.end());
+  if (*std::min_element(ends.begin(), ends.end()) < end) batch_ends = std::move(ends);
+  return end;
+}
+
+// Cuts p's keys to those some row sees (keys_in_view); batch_ends must outlive p's use.
+void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& batch_ends) {
+  p.S = keys_in_view(p, batch_ends);
+  p.batch_keys = batch_ends.empty() ? nullptr : batch_ends.data();
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -220,7 +244,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
     const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  p.S = keys_in_view(p);
+  std::vector<int64_t> batch_ends;
+  cut_unseen_keys(p, batch_ends);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
 }
@@ -241,13 +266,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const int64_t S = p.S;
-  p.S = keys_in_view(p);
+  std::vector<int64_t> batch_ends;
+  cut_unseen_keys(p, batch_ends);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, attn_mask,
                                     dropout_seed, compute_grad_mask);
-  if (p.S < S) {  // the keys no row sees
-    g.o.grad_key.narrow(2, p.S, S - p.S).zero_();
-    g.grad_value.narrow(2, p.S, S - p.S).zero_();
+  // dK and dV of the keys no row sees: 0 (past the cut, or past each batch entry's)
+  auto zero_past = [S](const at::Tensor& grad, int64_t end) {
+    if (end < S) grad.narrow(-2, end, S - end).zero_();
+  };
+  for (const at::Tensor& grad : {g.o.grad_key, g.grad_value}) {
+    if (batch_ends.empty()) zero_past(grad, p.S);
+    for (size_t b = 0; b < batch_ends.size(); ++b) zero_past(grad[b], batch_ends[b]);
   }
   return {g.o.grad_query, g.o.grad_key, g.grad_value, g.o.grad_mask, g.grad_sinks};
 }

@@ -981,15 +981,21 @@ class VecForwardProducts {
 // Packed batches and windows: what the drivers share.
 // ---------------------------------------------------------------------------
 // One thread's view of the sequence its current task is in: the batch itself
-// when dense, sequence_view when packed (rebuilt only when the sequence changes).
+// when dense, its entry's first batch_keys[b] keys when those are set, and
+// sequence_view when packed (rebuilt only when the batch entry changes).
 template <typename scalar_t, typename Params>
 class SequenceViews {
  public:
   explicit SequenceViews(const Params& p) : p_(p) {}
   const Params& of(int64_t b) {
-    if (p_.cu_q == nullptr) return p_;
+    if (p_.cu_q == nullptr && p_.batch_keys == nullptr) return p_;
     if (b != b_) {
-      view_ = sequence_view<scalar_t>(p_, b);
+      if (p_.cu_q != nullptr) {
+        view_ = sequence_view<scalar_t>(p_, b);
+      } else {
+        view_ = p_;
+        view_.S = p_.batch_keys[b];
+      }
       b_ = b;
     }
     return view_;

@@ -39,10 +39,12 @@ struct AttnParams {
   MaskKind mask_kind = MaskKind::None;
   const void* mask = nullptr;         // broadcast to (B, Hq, L, S) through its strides
   int64_t mask_stride[4] = {0, 0, 0, 0};
-  // CPU only, host memory: batch entry b runs on keys [0, batch_keys[b]) (at
-  // most S), a bool mask hiding the rest from all of its rows (keys_in_view in
-  // attention_cpu.cpp). nullptr: every batch entry runs on all S keys.
-  const int64_t* batch_keys = nullptr;  // (B,)
+  // CPU only: the keys that a bool mask hides from every row are left out
+  // (cut_unseen_keys in attention_cpu.cpp). Every row runs on keys [key_begin, S)
+  // at most; with batch_keys set (host memory), batch entry b runs on keys
+  // [batch_keys[2 b], batch_keys[2 b + 1]) instead (SequenceViews).
+  int64_t key_begin = 0;
+  const int64_t* batch_keys = nullptr;  // (B, 2)
 
   // Which keys a row sees (visible_key_range in attention_math.h). Row i sits
   // at key position i + causal_offset (0: top-left alignment as in PyTorch;

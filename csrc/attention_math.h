@@ -60,7 +60,8 @@ ATTN_HOST_DEVICE int64_t right_reach(const AttnParams& p) {
   return p.window_right;
 }
 
-// Row i sees keys [begin, end) (causal bound and window; an attn_mask may hide
+// Row i sees keys [begin, end) (causal bound, window, and the keys before
+// key_begin, which a bool mask hides from every row; an attn_mask may hide
 // more of them). Both ends grow with i, so the keys of rows [i0, i1) lie in
 // [range(i0).begin, range(i1 - 1).end). begin == end: the row sees no key.
 struct KeyRange {
@@ -69,7 +70,8 @@ struct KeyRange {
 ATTN_HOST_DEVICE KeyRange visible_key_range(const AttnParams& p, int64_t i) {
   const int64_t pos = i + p.causal_offset;
   const int64_t right = right_reach(p);
-  const int64_t begin = p.window_left >= 0 ? clamp_to(pos - p.window_left, 0, p.S) : 0;
+  const int64_t window_begin = p.window_left >= 0 ? pos - p.window_left : 0;
+  const int64_t begin = clamp_to(window_begin > p.key_begin ? window_begin : p.key_begin, 0, p.S);
   const int64_t end = right >= 0 ? clamp_to(pos + right + 1, begin, p.S) : p.S;
   return KeyRange{begin, end};
 }

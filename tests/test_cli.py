@@ -46,9 +46,11 @@ def test_info_reports_build_runtime_and_every_kernel_family():
     (["bench", "--variant", "nope"], "invalid choice: 'nope'"),
     (["bench", "--variant", "varlen", "--shapes", "2x8x512x64"], "varlen shapes are 1xHxTxE"),
     (["bench", "--decode", "--lengths", "0"], "--lengths, --batches and --rounds must be >= 1"),
+    (["bench", "--decode", "--lengths", "4k"], "--lengths must be comma-separated integers, got '4k'"),
     (["bench", "--decode", "--tokens", "128"], "--tokens must be in 1..127"),
     (["bench", "--decode", "--dtype", "int8"], "int8"),
-    (["bench", "--decode", "--written", "0"], "--written must be in (0, 1], got 0.0"),
+    (["bench", "--decode", "--written", "0"], "--written must be comma-separated fractions in (0, 1], got '0'"),
+    (["bench", "--decode", "--written", "0.5,x"], "--written must be comma-separated fractions in (0, 1], got '0.5,x'"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, pattern):
     rc, out, err = _run(*args)
@@ -196,17 +198,18 @@ def test_bench_decode_on_a_preallocated_cache_masks_both_implementations(tmp_pat
     import json
 
     json_path = tmp_path / "written.json"
-    rc, out, err = _run("bench", "--decode", "--written", "0.25", "--lengths", "400", "--batches", "1",
+    rc, out, err = _run("bench", "--decode", "--written", "0.25,0.05", "--lengths", "400", "--batches", "1,3",
                         "--no-model", "--rounds", "1", "--json", str(json_path))
     assert rc == 0, out[-2000:] + err[-2000:]
     steps = json.loads(json_path.read_text())["steps"]
-    assert sorted((r["Hkv"], r["S"], r["written"]) for r in steps) == [(2, 400, 0.25), (8, 400, 0.25)]
+    assert sorted((r["B"], r["Hkv"], r["S"]) for r in steps) == [(1, 2, 400), (1, 8, 400), (3, 2, 400), (3, 8, 400)]
     for r in steps:
-        # the same masked attention as SDPA's, and as attention over the 100 written keys alone
-        # (a mask left out of either call would make it differ)
+        # the same masked attention as SDPA's, and as attention over each entry's written keys
+        # alone (100, 20 and 100 of them; a mask left out of either call would make it differ)
+        assert r["written"] == [0.25, 0.05], r
         assert r["rel_err_vs_sdpa"] < 1e-5 and r["rel_err_vs_written_keys_only"] < 1e-5, r
         assert r["target"] is None, r
-    assert "the first 0.25 x S written" in out
+    assert "the first 0.25, 0.05 x S written by the batch entries in turn" in out
 
 
 def test_bench_decode_targets_are_issue_13s_shapes(tmp_path):

@@ -81,10 +81,12 @@ def calls(draw):
         shape = [n if full else 1 for n, full in zip((B, Hq, L, S), dims)]
         case["mask"] = (mask_kind, shape[draw(st.integers(0, 2)):])
         if mask_kind == "bool" and dims[3] and S > 0 and draw(st.booleans()):
-            # the last keys hidden from every row of a batch entry (a preallocated cache, its
-            # entries' sequences at different lengths): the CPU kernels cut them, per entry
-            entries = len(case["mask"][1]) == 4 and dims[0]
-            case["mask_tail"] = [draw(st.integers(1, S)) for _ in range(B if entries else 1)]
+            # the first and last keys hidden from every row of a batch entry (a preallocated
+            # cache, its entries' sequences at different lengths, left padding): the CPU
+            # kernels leave them out, per entry
+            entries = B if len(case["mask"][1]) == 4 and dims[0] else 1
+            case["mask_tail"] = [draw(st.integers(0, S)) for _ in range(entries)]
+            case["mask_head"] = [draw(st.integers(0, S)) for _ in range(entries)]
     case["is_causal"] = draw(st.booleans())
     case["causal_alignment"] = draw(st.sampled_from(["top_left", "bottom_right"]))
     if draw(st.integers(0, 3)) == 0:
@@ -121,8 +123,11 @@ def _inputs(case):
         kind, shape = case["mask"]
         if kind == "bool":
             mask = (torch.rand(shape, generator=gen) < 0.8).to(device)
-            for b, tail in enumerate(case.get("mask_tail", [])):  # per batch entry, or for all
-                mask[b if len(case["mask_tail"]) > 1 else slice(None), ..., S - tail:] = False
+            hidden = zip(case.get("mask_head", []), case.get("mask_tail", []))
+            for b, (head, tail) in enumerate(hidden):  # per batch entry, or for all
+                entry = b if len(case["mask_tail"]) > 1 else slice(None)
+                mask[entry, ..., :head] = False
+                mask[entry, ..., S - tail:] = False
         else:
             mask = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
     if "alibi" in case:

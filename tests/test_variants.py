@@ -397,13 +397,14 @@ def test_keys_outside_every_window_get_zero_grad(device):
     assert (gv[..., :150, :] != 0).all()
 
 
-# A bool mask whose last keys no row sees: a preallocated cache with its written
-# slots marked, as in gpt-fast or transformers' StaticCache under torch.compile.
-# The CPU kernels cut the keys after the last visible one, per batch entry when
-# the mask has a batch dim (requests at different positions of one cache); the
-# results, dK and dV past each entry's last visible key (0) included, are the
-# uncut call's. cfg as CASES, and "tail": how the mask is made (see _tail_mask),
-# with "used" the keys each batch entry has written.
+# A bool mask whose first or last keys no row sees: a preallocated cache with its
+# written slots marked, as in gpt-fast or transformers' StaticCache under
+# torch.compile, or a left-padded batch. The CPU kernels leave out the keys before
+# the first visible one and after the last, per batch entry when the mask has a
+# batch dim (requests at different positions of one cache, different padding); the
+# results, dK and dV of the keys left out (0) included, are the uncut call's. cfg as
+# CASES, and "tail": how the mask is made (see _tail_mask), with "used" the keys each
+# batch entry has written and "pad" its padding keys at the start.
 TAIL_CASES = {
     # one query row per sequence, a key row per batch entry (written 77 and 140 of 300)
     "decode_key_rows_gqa": dict(Hq=8, Hkv=2, L=1, S=300, E=32, Ev=32, tail="key_rows", used=[77, 140],
@@ -421,14 +422,23 @@ TAIL_CASES = {
                                        causal_alignment="bottom_right", window=(40, 0), alibi="NH"),
     # every key hidden: rows without keys, no key at all to run on
     "all_hidden": dict(L=5, S=64, tail="none_seen"),
+    # a left-padded batch of three continuing with 5 rows each (transformers' dynamic
+    # cache: a key-padding mask and the bottom-right causal pattern); entry 2 has 10
+    # keys left, and entry 1's window reaches back past its padding
+    "left_padded_entries": dict(B=3, Hq=4, Hkv=2, L=5, S=300, tail="key_rows", pad=[0, 120, 290], is_causal=True,
+                                causal_alignment="bottom_right", window=(200, 0), softcap=5.0),
+    # the same padding and written slots in every entry: one range [70, 150) for the batch
+    "one_range_window": dict(L=9, S=200, tail="key_rows", pad=[70, 70], used=[150, 150], is_causal=True,
+                             causal_alignment="bottom_right", window=(100, 0), sinks=torch.float32),
 }
 
 
 def _tail_mask(cfg, B, H, L, S, device, seed):
     kind = cfg["tail"]
     used = torch.tensor(cfg.get("used", [S] * B)).view(B, 1, 1, 1)
+    pad = torch.tensor(cfg.get("pad", [0] * B)).view(B, 1, 1, 1)
     if kind == "key_rows":
-        return (torch.arange(S) < used).to(device)
+        return ((torch.arange(S) < used) & (torch.arange(S) >= pad)).to(device)
     if kind == "entry_causal_rows":
         return (torch.arange(S).view(1, 1, 1, S) <= used - L + torch.arange(L).view(1, 1, L, 1)).to(device)
     if kind == "causal_rows":
@@ -449,25 +459,29 @@ def test_keys_no_row_sees_are_cut_and_match_reference(device, case, dtype):
     check_forward(q, k, v, mask, kw)
     _, gk, gv = check_backward(q, k, v, mask, kw, seed=21, lse_weight=True)[:3]
     seen = mask.expand(B, H, L, S).any(-2).any(-2)  # (B, S): the keys some row of each entry sees
-    last = [int(row.nonzero().max()) + 1 if row.any() else 0 for row in seen]
-    assert min(last) < S, "the mask hides no key at the end: nothing to cut"
-    for b, end in enumerate(last):
-        assert (gk[b, :, end:] == 0).all() and (gv[b, :, end:] == 0).all(), f"batch entry {b}"
+    ranges = [(int(row.nonzero().min()), int(row.nonzero().max()) + 1) if row.any() else (0, 0) for row in seen]
+    assert any(r != (0, S) for r in ranges), "the mask hides no key at either end: nothing to cut"
+    for b, (begin, end) in enumerate(ranges):
+        for name, grad in (("grad key", gk), ("grad value", gv)):
+            assert (grad[b, :, :begin] == 0).all() and (grad[b, :, end:] == 0).all(), f"batch entry {b}: {name}"
 
 
 def test_slots_past_the_cut_are_never_read(device):
-    """A cache allocated with torch.empty may hold NaN in its unwritten slots. On the CPU
-    the keys past the last visible one are not read, so a NaN there reaches neither the
-    output nor a gradient (SDPA's math spreads a NaN value to every row, as 0 * NaN)."""
+    """A cache allocated with torch.empty may hold NaN in its unwritten slots (and in its
+    padding). On the CPU the keys before a batch entry's first visible one and past its
+    last are not read, so a NaN there reaches neither the output nor a gradient (SDPA's
+    math spreads a NaN value to every row, as 0 * NaN)."""
     if device != "cpu":
         pytest.skip("the CUDA kernels do not cut (the mask would have to be read on the host)")
     q, k, v = make_qkv(2, 4, 2, 3, 200, 16, 16, torch.float32, device, seed=25)
     mask = (torch.arange(200) < torch.tensor([50, 120]).view(2, 1, 1, 1)).to(device)
     g = torch.randn(2, 4, 3, 16, generator=make_generator(26)).to(device)
     results = []
-    for fill in (0.0, float("nan")):  # each batch entry's unwritten slots
+    mask[1, ..., :30] = False  # entry 1's padding
+    for fill in (0.0, float("nan")):  # each batch entry's unwritten slots, and the padding
         kf, vf = k.clone(), v.clone()
         kf[0, :, 50:], vf[0, :, 50:], kf[1, :, 120:], vf[1, :, 120:] = fill, fill, fill, fill
+        kf[1, :, :30], vf[1, :, :30] = fill, fill
         leaves = [t.requires_grad_(True) for t in (q.clone(), kf, vf)]
         out = sdpa(*leaves, mask, enable_gqa=True)
         results.append((out, *torch.autograd.grad((out * g).sum(), leaves)))

@@ -12,6 +12,9 @@ target shapes instead, with the target beside each. --written F times a
 preallocated cache instead (a static KV cache): of the S slots the first F·S are
 written, and both implementations get a (B, 1, 1, S) bool mask of them (attn_ext's
 CPU kernels leave out the keys after the last written slot; SDPA computes them all).
+--written F1,F2,... gives the batch entries different fractions (cycled over the
+batch): requests at different positions of one cache, which the CPU kernels run
+each on its own written slots.
 
 Then, unless --no-model, generation with the char-level GPT of
 examples/char_gpt.py (a source checkout's; random weights, 4 layers,
@@ -88,16 +91,18 @@ def best_per_call(fns: dict[str, Callable[[], object]], rounds: int, calls: int,
 
 
 def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rounds: int,
-              gen: torch.Generator, device: torch.device = torch.device("cpu"), written: float | None = None) -> dict:
+              gen: torch.Generator, device: torch.device = torch.device("cpu"),
+              written: Sequence[float] | None = None) -> dict:
     import attn_ext
 
     q = torch.randn(B, Hq, 1, E, generator=gen).to(device, dtype)
     k = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
     v = torch.randn(B, Hkv, S, E, generator=gen).to(device, dtype)
     gqa = Hq != Hkv
-    mask = None  # with `written`: the slots written so far of a preallocated cache
+    mask = None  # with `written`: the slots each batch entry has written so far in a preallocated cache
     if written is not None:
-        mask = (torch.arange(S, device=device) < max(1, round(written * S))).view(1, 1, 1, S).expand(B, 1, 1, S)
+        counts = [max(1, round(written[b % len(written)] * S)) for b in range(B)]
+        mask = (torch.arange(S, device=device) < torch.tensor(counts, device=device).view(B, 1, 1, 1))
     fns = {"ours": lambda: attn_ext.scaled_dot_product_attention(q, k, v, mask, enable_gqa=gqa),
            "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=gqa)}
     # short rounds (5 calls at the largest caches, ~200 at the smallest; 200 on a GPU),
@@ -106,14 +111,15 @@ def time_step(B: int, Hq: int, Hkv: int, S: int, E: int, dtype: torch.dtype, rou
     best = best_per_call(fns, rounds, calls, device)
     ours = fns["ours"]().double()
     err = common.rel_err(ours, fns["sdpa"]().double())
-    written_only = None  # with `written`: ours against SDPA on the written keys alone, unmasked
+    written_only = None  # with `written`: ours against SDPA on each entry's written keys alone, unmasked
     if mask is not None:
-        n = int(mask[0, 0, 0].sum())
-        written_only = common.rel_err(ours, F.scaled_dot_product_attention(q, k[:, :, :n], v[:, :, :n],
-                                                                           enable_gqa=gqa).double())
+        alone = [F.scaled_dot_product_attention(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], enable_gqa=gqa)
+                 for b, n in enumerate(counts)]
+        written_only = common.rel_err(ours, torch.cat(alone).double())
     return {"B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "E": E, "dtype": common.dtype_name(dtype),
             "ours_us": best["ours"], "sdpa_us": best["sdpa"], "ratio": best["ours"] / best["sdpa"],
-            "rel_err_vs_sdpa": err, "written": written, "rel_err_vs_written_keys_only": written_only,
+            "rel_err_vs_sdpa": err, "written": None if written is None else list(written),
+            "rel_err_vs_written_keys_only": written_only,
             "target": None if written is not None else TARGETS.get((B, Hq, Hkv, S, E))}
 
 
@@ -226,8 +232,9 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="cache lengths S, comma-separated")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes, comma-separated")
     p.add_argument("--targets", action="store_true", help="time issue 13's five target shapes instead of the grid")
-    p.add_argument("--written", type=float, default=None, metavar="F",
-                   help="a preallocated cache of S slots, the first F*S written, behind a bool mask of them")
+    p.add_argument("--written", default=None, metavar="F[,F...]",
+                   help="a preallocated cache of S slots, the first F*S written, behind a bool mask of them; "
+                        "several fractions: one per batch entry, cycled")
     p.add_argument("--rounds", type=int, default=7, help="alternating rounds; each figure is the best (default 7)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads(N); on the README's Xeon that call alone slows SDPA's own "
@@ -237,16 +244,25 @@ def parse_args(argv: Sequence[str] | None, prog: str | None) -> argparse.Namespa
     p.add_argument("--no-compile", action="store_true", help="skip the char GPT under torch.compile")
     p.add_argument("--json", metavar="PATH", help="write every result to PATH")
     args = p.parse_args(argv)
+
+    def numbers(flag: str, text: str, kind: type, what: str) -> list:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"{flag} must be comma-separated {what}, got {text!r}")
+
     try:
         args.dtypes = [common.parse_dtype(d) for d in args.dtype.split(",") if d.strip()]
-        args.length_list = [int(x) for x in args.lengths.split(",") if x.strip()]
-        args.batch_list = [int(x) for x in args.batches.split(",") if x.strip()]
     except ValueError as exc:
         p.error(str(exc))
+    args.length_list = numbers("--lengths", args.lengths, int, "integers")
+    args.batch_list = numbers("--batches", args.batches, int, "integers")
+    what = "fractions in (0, 1]"
+    args.written_list = None if args.written is None else numbers("--written", args.written, float, what)
     if any(x < 1 for x in args.length_list + args.batch_list) or args.rounds < 1:
         p.error(f"--lengths, --batches and --rounds must be >= 1, got {args.lengths}, {args.batches}, {args.rounds}")
-    if args.written is not None and not 0.0 < args.written <= 1.0:
-        p.error(f"--written must be in (0, 1], got {args.written}")
+    if args.written_list is not None and not all(0.0 < f <= 1.0 for f in args.written_list):
+        p.error(f"--written must be comma-separated {what}, got {args.written!r}")
     if not 1 <= args.tokens < 128:
         p.error(f"--tokens must be in 1..127 (the char GPT's context is 128), got {args.tokens}")
     return args
@@ -266,8 +282,10 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     print(common.describe_machine(info))
     print(f"ours: attn_ext from {Path(attn_ext.__file__).parent}, CPU kernels: {info['cpu_isa_active']}")
     print(f"timing: best of {args.rounds} alternating rounds of calls, µs per step; ratio = ours / SDPA (< 1: ours faster)")
-    if args.written is not None:
-        print(f"a preallocated cache: S slots, the first {args.written:g} x S written, a bool mask of them for both")
+    if args.written_list is not None:
+        fractions = ", ".join(f"{f:g}" for f in args.written_list)
+        which = "" if len(args.written_list) == 1 else " by the batch entries in turn"
+        print(f"a preallocated cache: S slots, the first {fractions} x S written{which}, a bool mask of them for both")
     if args.targets:
         cases = [(B, Hq, Hkv, S, E) for (B, Hq, Hkv, S, E) in TARGETS]
     else:
@@ -276,7 +294,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     steps = []
     for dtype in args.dtypes:
         for B, Hq, Hkv, S, E in cases:
-            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen, device, args.written))
+            steps.append(time_step(B, Hq, Hkv, S, E, dtype, args.rounds, gen, device, args.written_list))
     rows = [(r["dtype"], r["B"], f"{r['Hq']}/{r['Hkv']}", r["S"], r["E"], common.fmt(r["ours_us"]),
              common.fmt(r["sdpa_us"]), common.fmt(r["ratio"], 2),
              "" if r["target"] is None else f"<= {r['target']}: {'met' if r['ratio'] <= r['target'] else 'not met'}")

@@ -58,73 +58,109 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// One past the last key that a bool attn_mask lets some query row see (at
-// least 1), else p.S. The keys after it reach no row, so the kernels run on the
-// first keys only: p.S is cut there, and the backward's dK and dV are 0 past it.
-// That is a preallocated cache behind a mask of its written slots (a static KV
-// cache, as in gpt-fast or transformers' StaticCache under torch.compile, whose
-// shapes cannot shrink with the cache): the call then costs what the written
-// keys cost, not the whole cache. Every row's result is the same math (the cut
-// keys' weights are exactly 0; dropout draws by key index, not by S).
-//
-// A mask with a batch dim is read per batch entry, whose sequences may have
-// written different numbers of slots (a batch of requests at different
-// positions): batch_ends[b] is then one past the last key that entry's rows
-// see, and the kernels run each entry on its own keys (AttnParams::batch_keys).
-// batch_ends stays empty when every entry ends at the same key.
-//
-// The scan reads each distinct mask row backwards from its end down to the last
-// visible key found so far in its batch entry, the last rows first (they see
-// the most keys in causal masks), 32 keys to a step on a contiguous row; an
-// entry's scan stops at its first row that sees key S - 1: one key row of
-// 32768 slots with 1 written, about 2 us (AMD EPYC Zen 4). A decoding step of 8
-// heads over a (1, 1, 1, 32768) mask of 4000 written slots: 4.2 ms as a float
-// mask (not cut), 0.17 ms (float32). CPU only: on CUDA the mask would have to
-// be read on the host.
-int64_t keys_in_view(const AttnParams& p, std::vector<int64_t>& batch_ends) {
-  batch_ends.clear();
-  const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
-  if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return p.S;
-  const auto* mask = static_cast<const uint8_t*>(p.mask);  // a bool is one byte, 0 or 1
-  const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
-  std::vector<int64_t> ends(nb);
-  for (int64_t b = 0; b < nb; ++b) {
-    int64_t seen = 1;  // one past the last visible key of entry b found so far
-    for (int64_t h = nh - 1; h >= 0 && seen < p.S; --h) {
-      for (int64_t i = nl - 1; i >= 0 && seen < p.S; --i) {
-        const uint8_t* row = mask + b * stride[0] + h * stride[1] + i * stride[2];
-        int64_t j = p.S - 1;  // keys [seen, j] are still to look at
-        if (stride[3] == 1) {
-          for (; j - 31 >= seen; j -= 32) {
-            uint64_t words[4];
-            std::memcpy(words, row + j - 31, 32);
-            if ((words[0] | words[1] | words[2] | words[3]) != 0) break;  // a visible key among j - 31 .. j
-          }
-          for (; j - 7 >= seen; j -= 8) {
-            uint64_t word;
-            std::memcpy(&word, row + j - 7, 8);
-            if (word != 0) break;  // a visible key among j - 7 .. j: the loop below finds it
-          }
-        }
-        for (; j >= seen; --j) {
-          if (row[j * stride[3]] != 0) {
-            seen = j + 1;
-            break;
-          }
-        }
-      }
+// The first and the last key that a bool mask row sets in [lo, hi) (keys
+// stride apart; a bool is one byte, 0 or 1): the index, or -1 when none is set.
+// A contiguous row is read 32 keys to a step, then 8, then one by one.
+int64_t first_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+  int64_t j = lo;
+  if (stride == 1) {
+    for (uint64_t w[4]; j + 32 <= hi; j += 32) {
+      std::memcpy(w, row + j, 32);
+      if ((w[0] | w[1] | w[2] | w[3]) != 0) break;
     }
-    ends[b] = seen;
+    for (uint64_t w; j + 8 <= hi; j += 8) {
+      std::memcpy(&w, row + j, 8);
+      if (w != 0) break;
+    }
   }
-  const int64_t end = *std::max_element(ends.begin(), ends.end());
-  if (*std::min_element(ends.begin(), ends.end()) < end) batch_ends = std::move(ends);
-  return end;
+  for (; j < hi; ++j)
+    if (row[j * stride] != 0) return j;
+  return -1;
 }
 
-// Cuts p's keys to those some row sees (keys_in_view); batch_ends must outlive p's use.
-void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& batch_ends) {
-  p.S = keys_in_view(p, batch_ends);
-  p.batch_keys = batch_ends.empty() ? nullptr : batch_ends.data();
+int64_t last_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+  int64_t j = hi;  // keys [lo, j) are still to look at
+  if (stride == 1) {
+    for (uint64_t w[4]; j - 32 >= lo; j -= 32) {
+      std::memcpy(w, row + j - 32, 32);
+      if ((w[0] | w[1] | w[2] | w[3]) != 0) break;
+    }
+    for (uint64_t w; j - 8 >= lo; j -= 8) {
+      std::memcpy(&w, row + j - 8, 8);
+      if (w != 0) break;
+    }
+  }
+  while (j > lo)
+    if (row[--j * stride] != 0) return j;
+  return -1;
+}
+
+// The keys that a bool attn_mask hides from every query row are left out: the
+// kernels run on [key_begin, S) only, S cut after the last key some row sees
+// and key_begin at the first. A preallocated cache behind a mask of its written
+// slots (a static KV cache, as in gpt-fast or transformers' StaticCache under
+// torch.compile, whose shapes cannot shrink with the cache) then costs what the
+// written keys cost, not the whole cache; a left-padded batch's padding keys
+// cost nothing. Every row's result is the same math: the keys left out have
+// weight exactly 0, the causal offset, the window and ALiBi keep the uncut
+// key indices (the ops take the offset as an argument), and dropout draws by
+// key index. The backward's dK and dV are 0 outside the keys run on.
+//
+// A mask with a batch dim is read per batch entry, whose sequences may have
+// written different numbers of slots or have different padding (requests at
+// different positions of one cache, a left-padded batch): `ranges` then holds
+// each entry's [begin, end), which the kernels run it on (AttnParams::batch_keys),
+// and p.S the largest end. `ranges` stays empty when one range serves the batch.
+// An entry whose rows see no key at all runs on key 0 alone (rows give 0).
+//
+// The scan reads an entry's distinct mask rows backwards from their ends, the
+// last rows first (they see the most keys in causal masks), each down to the
+// last key found so far, then forwards from key 0, the first rows first, each
+// up to the first key found so far; it stops at key S - 1 and at key 0. Each
+// costs O(mask) at most, as the kernels' own reading of the mask does. One key row of 32768 slots with 1 written: about 2 us, 8 such rows about
+// 9 us (AMD EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask
+// of 4000 written slots: 4.2 ms as a float mask (not cut), 0.17 ms (float32).
+// CPU only: on CUDA the mask would have to be read on the host.
+void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& ranges) {
+  ranges.clear();
+  const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
+  if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return;
+  const auto* mask = static_cast<const uint8_t*>(p.mask);
+  const int64_t S = p.S;
+  const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
+  auto row_of = [&](int64_t b, int64_t h, int64_t i) { return mask + b * stride[0] + h * stride[1] + i * stride[2]; };
+  std::vector<int64_t> found(2 * nb);  // [begin, end) of each entry
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t end = 0;  // one past the last key seen so far: the last rows first
+    for (int64_t h = nh - 1; h >= 0 && end < S; --h) {
+      for (int64_t i = nl - 1; i >= 0 && end < S; --i) {
+        const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
+        if (last >= 0) end = last + 1;
+      }
+    }
+    int64_t begin = end;  // the first key seen so far: the first rows first, before it only
+    for (int64_t h = 0; h < nh && begin > 0; ++h) {
+      for (int64_t i = 0; i < nl && begin > 0; ++i) {
+        const int64_t first = first_set(row_of(b, h, i), stride[3], 0, begin);
+        if (first >= 0) begin = first;
+      }
+    }
+    if (end == 0) begin = 0, end = 1;  // no row sees a key
+    found[2 * b] = begin;
+    found[2 * b + 1] = end;
+  }
+  int64_t low = S, high = 0;
+  bool same = true;
+  for (int64_t b = 0; b < nb; ++b) {
+    low = std::min(low, found[2 * b]);
+    high = std::max(high, found[2 * b + 1]);
+    same = same && found[2 * b] == found[0] && found[2 * b + 1] == found[1];
+  }
+  p.key_begin = low;
+  p.S = high;
+  if (same) return;
+  ranges = std::move(found);
+  p.batch_keys = ranges.data();
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -244,8 +280,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
     const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  std::vector<int64_t> batch_ends;
-  cut_unseen_keys(p, batch_ends);
+  std::vector<int64_t> ranges;  // per batch entry, when cut apart
+  cut_unseen_keys(p, ranges);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
 }
@@ -266,18 +302,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const int64_t S = p.S;
-  std::vector<int64_t> batch_ends;
-  cut_unseen_keys(p, batch_ends);
+  std::vector<int64_t> ranges;
+  cut_unseen_keys(p, ranges);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, attn_mask,
                                     dropout_seed, compute_grad_mask);
-  // dK and dV of the keys no row sees: 0 (past the cut, or past each batch entry's)
-  auto zero_past = [S](const at::Tensor& grad, int64_t end) {
+  // dK and dV of the keys no row sees (of the whole batch, or of each entry): 0
+  auto zero_outside = [S](const at::Tensor& grad, int64_t begin, int64_t end) {
+    if (begin > 0) grad.narrow(-2, 0, begin).zero_();
     if (end < S) grad.narrow(-2, end, S - end).zero_();
   };
   for (const at::Tensor& grad : {g.o.grad_key, g.grad_value}) {
-    if (batch_ends.empty()) zero_past(grad, p.S);
-    for (size_t b = 0; b < batch_ends.size(); ++b) zero_past(grad[b], batch_ends[b]);
+    if (ranges.empty()) zero_outside(grad, p.key_begin, p.S);
+    for (int64_t b = 0; b < int64_t(ranges.size()) / 2; ++b) zero_outside(grad[b], ranges[2 * b], ranges[2 * b + 1]);
   }
   return {g.o.grad_query, g.o.grad_key, g.grad_value, g.o.grad_mask, g.grad_sinks};
 }

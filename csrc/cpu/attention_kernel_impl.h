@@ -981,8 +981,8 @@ class VecForwardProducts {
 // Packed batches and windows: what the drivers share.
 // ---------------------------------------------------------------------------
 // One thread's view of the sequence its current task is in: the batch itself
-// when dense, its entry's first batch_keys[b] keys when those are set, and
-// sequence_view when packed (rebuilt only when the batch entry changes).
+// when dense, its entry's own keys when batch_keys are set (key_begin and S),
+// and sequence_view when packed (rebuilt only when the batch entry changes).
 template <typename scalar_t, typename Params>
 class SequenceViews {
  public:
@@ -994,7 +994,8 @@ class SequenceViews {
         view_ = sequence_view<scalar_t>(p_, b);
       } else {
         view_ = p_;
-        view_.S = p_.batch_keys[b];
+        view_.key_begin = p_.batch_keys[2 * b];
+        view_.S = p_.batch_keys[2 * b + 1];
       }
       b_ = b;
     }
@@ -1162,8 +1163,10 @@ void forward_driver(const AttnParams& p) {
       products.bind(ps);
       const int64_t hk = h / group;
       const int64_t m = std::min(q_block, ps.L - i0);
-      // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached panels).
-      const int64_t kv_begin = visible_key_range(ps, i0).begin / panel * panel;
+      // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached
+      // panels), which starts at the first key run on (key_begin: keys before it are never read).
+      const int64_t kv_begin =
+          ps.key_begin + (visible_key_range(ps, i0).begin - ps.key_begin) / panel * panel;
       const int64_t kv_end = visible_key_range(ps, i0 + m - 1).end;
       // This split's key tiles: [j_first, j_stop) (all of them without a split).
       const int64_t n_tiles = kv_end > kv_begin ? ceil_div(kv_end - kv_begin, kv_block) : 0;
@@ -1532,8 +1535,9 @@ void backward_driver(const AttnBwdParams& p) {
         std::fill(dq_acc + g * L * Ep, dq_acc + std::min(g * L + ps.L + kCols + q_block, group * L + kCols) * Ep,
                   T(0));
 
-      for (int64_t blk = chunk; blk * kv_block < ps.S; blk += chunks) {
-        const int64_t j0 = blk * kv_block;
+      // key blocks from the first key run on (key_begin: keys before it are never read)
+      for (int64_t blk = chunk; ps.key_begin + blk * kv_block < ps.S; blk += chunks) {
+        const int64_t j0 = ps.key_begin + blk * kv_block;
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
         const KeyRange rows = visible_row_range(ps, j0, j0 + n);

@@ -45,6 +45,12 @@ struct AttnParams {
   // [batch_keys[2 b], batch_keys[2 b + 1]) instead (SequenceViews).
   int64_t key_begin = 0;
   const int64_t* batch_keys = nullptr;  // (B, 2)
+  // CPU only, host memory: with a bool mask that varies by row, row i of batch
+  // entry b sees no key outside [row_keys[r], row_keys[r + 1]) (r = b *
+  // row_keys_stride + 2 i; empty when the row sees none), which bounds the key
+  // tiles a query block visits and the query rows a key block visits.
+  const int64_t* row_keys = nullptr;  // (B or 1, L, 2)
+  int64_t row_keys_stride = 0;        // 2 L, or 0 when the mask broadcasts over the batch
 
   // Which keys a row sees (visible_key_range in attention_math.h). Row i sits
   // at key position i + causal_offset (0: top-left alignment as in PyTorch;

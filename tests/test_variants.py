@@ -430,6 +430,19 @@ TAIL_CASES = {
     # the same padding and written slots in every entry: one range [70, 150) for the batch
     "one_range_window": dict(L=9, S=200, tail="key_rows", pad=[70, 70], used=[150, 150], is_causal=True,
                              causal_alignment="bottom_right", window=(100, 0), sinks=torch.float32),
+    # masks that vary by row (the kernels skip the key tiles a query block's rows do not
+    # reach, and the query rows a key block is not seen by): the causal pattern as a bool
+    # mask without the flag, over several query and key tiles
+    "causal_as_bool": dict(B=1, L=300, S=300, tail="lower_triangle", used=[300]),
+    # packed documents: a block-diagonal causal mask per batch entry, the documents'
+    # lengths differing between the entries; GQA and per-batch ALiBi
+    "documents": dict(Hq=4, Hkv=2, L=400, S=400, E=32, Ev=32, tail="documents", alibi="NH",
+                      docs=[[50, 130, 20, 200], [260, 140]]),
+    # a band (a sliding window as a bool mask) of another width per head, with a softcap
+    "band_per_head": dict(B=1, Hq=2, L=260, S=260, tail="band_per_head", softcap=5.0),
+    # each row sees a span of up to 40 keys somewhere in 700 (some rows none): a query
+    # block's tiles span all of its rows' spans, a key block's rows are scattered
+    "random_spans": dict(L=150, S=700, tail="random_spans", sinks=torch.float32),
 }
 
 
@@ -441,6 +454,20 @@ def _tail_mask(cfg, B, H, L, S, device, seed):
         return ((torch.arange(S) < used) & (torch.arange(S) >= pad)).to(device)
     if kind == "entry_causal_rows":
         return (torch.arange(S).view(1, 1, 1, S) <= used - L + torch.arange(L).view(1, 1, L, 1)).to(device)
+    rows, keys = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+    if kind == "lower_triangle":
+        return (keys <= rows).view(1, 1, L, S).to(device)
+    if kind == "documents":
+        doc = [torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in cfg["docs"]]
+        same = torch.stack([(d.view(L, 1) == d.view(1, S)) for d in doc])
+        return (same & (keys <= rows)).view(B, 1, L, S).to(device)
+    if kind == "random_spans":
+        gen = make_generator(seed)
+        start = torch.randint(0, S, (B, 1, L, 1), generator=gen)
+        width = torch.randint(0, 41, (B, 1, L, 1), generator=gen)
+        return ((keys >= start) & (keys < start + width)).to(device)
+    if kind == "band_per_head":
+        return torch.stack([(keys <= rows) & (keys > rows - w) for w in (40, 90)]).view(1, H, L, S).to(device)
     if kind == "causal_rows":
         return (torch.arange(S).view(1, S) <= 50 + torch.arange(L).view(L, 1)).view(1, 1, L, S).to(device)
     if kind == "random":
@@ -460,7 +487,8 @@ def test_keys_no_row_sees_are_cut_and_match_reference(device, case, dtype):
     _, gk, gv = check_backward(q, k, v, mask, kw, seed=21, lse_weight=True)[:3]
     seen = mask.expand(B, H, L, S).any(-2).any(-2)  # (B, S): the keys some row of each entry sees
     ranges = [(int(row.nonzero().min()), int(row.nonzero().max()) + 1) if row.any() else (0, 0) for row in seen]
-    assert any(r != (0, S) for r in ranges), "the mask hides no key at either end: nothing to cut"
+    ends = mask.expand(B, H, L, S).any(1)[..., [0, -1]]  # (B, L, 2): does each row see the first and last key
+    assert not ends.all(), "the mask hides no key at either end of any row: nothing to cut or skip"
     for b, (begin, end) in enumerate(ranges):
         for name, grad in (("grad key", gk), ("grad value", gv)):
             assert (grad[b, :, :begin] == 0).all() and (grad[b, :, end:] == 0).all(), f"batch entry {b}: {name}"

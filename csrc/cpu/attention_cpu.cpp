@@ -108,21 +108,34 @@ int64_t last_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 //
 // A mask with a batch dim is read per batch entry, whose sequences may have
 // written different numbers of slots or have different padding (requests at
-// different positions of one cache, a left-padded batch): `ranges` then holds
-// each entry's [begin, end), which the kernels run it on (AttnParams::batch_keys),
-// and p.S the largest end. `ranges` stays empty when one range serves the batch.
-// An entry whose rows see no key at all runs on key 0 alone (rows give 0).
+// different positions of one cache, a left-padded batch): cut.entries then
+// holds each entry's [begin, end), which the kernels run it on
+// (AttnParams::batch_keys), and p.S the largest end; it stays empty when one
+// range serves the batch. An entry whose rows see no key runs on key 0 alone.
 //
-// The scan reads an entry's distinct mask rows backwards from their ends, the
-// last rows first (they see the most keys in causal masks), each down to the
-// last key found so far, then forwards from key 0, the first rows first, each
-// up to the first key found so far; it stops at key S - 1 and at key 0. Each
-// costs O(mask) at most, as the kernels' own reading of the mask does. One key row of 32768 slots with 1 written: about 2 us, 8 such rows about
-// 9 us (AMD EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask
-// of 4000 written slots: 4.2 ms as a float mask (not cut), 0.17 ms (float32).
-// CPU only: on CUDA the mask would have to be read on the host.
-void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& ranges) {
-  ranges.clear();
+// A mask that varies by query row (a causal or banded pattern as a bool mask,
+// packed documents' block-diagonal mask) is read row by row: cut.rows holds
+// each row's [first, last + 1) over the heads (AttnParams::row_keys), and a
+// forward query block visits only the key tiles its rows' ranges span, a
+// backward key block only the query rows whose ranges reach it. Tiles the mask
+// hides whole are then skipped as the causal flag's are.
+//
+// The scan reads each row from its end backwards down to the last key found so
+// far (per row, or per entry when the rows are one), and from key 0 forwards
+// up to the first; 32 keys to a step. It reads a causal mask from each row's
+// end to its diagonal, half the mask: O(mask) at most, as the kernels' own
+// reading of it. One key row of 32768 slots with 1 written: about 2 us, 8 such
+// rows about 9 us (AMD EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1,
+// 32768) mask of 4000 written slots: 4.2 ms as a float mask (not cut), 0.17 ms
+// (float32). CPU only: on CUDA the mask would have to be read on the host.
+struct KeyCut {
+  std::vector<int64_t> entries;  // (B, 2): each batch entry's keys, when they differ
+  std::vector<int64_t> rows;     // (B or 1, L, 2): each query row's keys, when the mask varies by row
+};
+
+void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
+  cut.entries.clear();
+  cut.rows.clear();
   const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
   if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return;
   const auto* mask = static_cast<const uint8_t*>(p.mask);
@@ -130,24 +143,45 @@ void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& ranges) {
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
   auto row_of = [&](int64_t b, int64_t h, int64_t i) { return mask + b * stride[0] + h * stride[1] + i * stride[2]; };
   std::vector<int64_t> found(2 * nb);  // [begin, end) of each entry
-  for (int64_t b = 0; b < nb; ++b) {
-    int64_t end = 0;  // one past the last key seen so far: the last rows first
-    for (int64_t h = nh - 1; h >= 0 && end < S; --h) {
-      for (int64_t i = nl - 1; i >= 0 && end < S; --i) {
-        const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
+  if (nl > 1) {
+    // Each query row's keys (over the heads), from both ends inwards: a causal row is read
+    // from its end down to its diagonal, and from key 0. The entry's are their hull.
+    cut.rows.resize(2 * nb * nl);
+    for (int64_t b = 0; b < nb; ++b) {
+      int64_t lo = S, hi = 0;
+      for (int64_t i = 0; i < nl; ++i) {
+        int64_t begin = S, end = 0;  // empty so far
+        for (int64_t h = 0; h < nh && (begin > 0 || end < S); ++h) {
+          const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
+          if (last >= 0) end = last + 1;
+          const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
+          if (first >= 0) begin = first;
+        }
+        cut.rows[2 * (b * nl + i)] = begin;
+        cut.rows[2 * (b * nl + i) + 1] = end;
+        lo = std::min(lo, begin);
+        hi = std::max(hi, end);
+      }
+      found[2 * b] = hi > 0 ? lo : 0;
+      found[2 * b + 1] = hi > 0 ? hi : 1;  // no row sees a key: key 0 alone
+    }
+    p.row_keys = cut.rows.data();
+    p.row_keys_stride = nb > 1 ? 2 * nl : 0;
+  } else {
+    for (int64_t b = 0; b < nb; ++b) {
+      int64_t end = 0;  // one past the last key seen so far: the last heads first
+      for (int64_t h = nh - 1; h >= 0 && end < S; --h) {
+        const int64_t last = last_set(row_of(b, h, 0), stride[3], end, S);
         if (last >= 0) end = last + 1;
       }
-    }
-    int64_t begin = end;  // the first key seen so far: the first rows first, before it only
-    for (int64_t h = 0; h < nh && begin > 0; ++h) {
-      for (int64_t i = 0; i < nl && begin > 0; ++i) {
-        const int64_t first = first_set(row_of(b, h, i), stride[3], 0, begin);
+      int64_t begin = end;  // the first key seen so far, before it only
+      for (int64_t h = 0; h < nh && begin > 0; ++h) {
+        const int64_t first = first_set(row_of(b, h, 0), stride[3], 0, begin);
         if (first >= 0) begin = first;
       }
+      found[2 * b] = end > 0 ? begin : 0;
+      found[2 * b + 1] = end > 0 ? end : 1;  // no row sees a key: key 0 alone
     }
-    if (end == 0) begin = 0, end = 1;  // no row sees a key
-    found[2 * b] = begin;
-    found[2 * b + 1] = end;
   }
   int64_t low = S, high = 0;
   bool same = true;
@@ -159,8 +193,8 @@ void cut_unseen_keys(AttnParams& p, std::vector<int64_t>& ranges) {
   p.key_begin = low;
   p.S = high;
   if (same) return;
-  ranges = std::move(found);
-  p.batch_keys = ranges.data();
+  cut.entries = std::move(found);
+  p.batch_keys = cut.entries.data();
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -280,8 +314,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
     const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  std::vector<int64_t> ranges;  // per batch entry, when cut apart
-  cut_unseen_keys(p, ranges);
+  KeyCut cut;
+  cut_unseen_keys(p, cut);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
 }
@@ -302,8 +336,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const int64_t S = p.S;
-  std::vector<int64_t> ranges;
-  cut_unseen_keys(p, ranges);
+  KeyCut cut;
+  cut_unseen_keys(p, cut);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, attn_mask,
                                     dropout_seed, compute_grad_mask);
@@ -313,8 +347,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
     if (end < S) grad.narrow(-2, end, S - end).zero_();
   };
   for (const at::Tensor& grad : {g.o.grad_key, g.grad_value}) {
-    if (ranges.empty()) zero_outside(grad, p.key_begin, p.S);
-    for (int64_t b = 0; b < int64_t(ranges.size()) / 2; ++b) zero_outside(grad[b], ranges[2 * b], ranges[2 * b + 1]);
+    const std::vector<int64_t>& entries = cut.entries;
+    if (entries.empty()) zero_outside(grad, p.key_begin, p.S);
+    for (int64_t b = 0; b < int64_t(entries.size()) / 2; ++b) zero_outside(grad[b], entries[2 * b], entries[2 * b + 1]);
   }
   return {g.o.grad_query, g.o.grad_key, g.grad_value, g.o.grad_mask, g.grad_sinks};
 }

@@ -1008,6 +1008,37 @@ class SequenceViews {
   int64_t b_ = -1;
 };
 
+// The keys that query rows [i0, i0 + m) of batch entry b may see: the causal
+// bound's and the window's (visible_key_range), narrowed by the rows' own
+// ranges when a bool mask that varies by row gave them (row_keys).
+// end <= begin: no row of the block sees a key.
+inline KeyRange block_key_range(const AttnParams& p, int64_t b, int64_t i0, int64_t m) {
+  KeyRange keys{visible_key_range(p, i0).begin, visible_key_range(p, i0 + m - 1).end};
+  if (p.row_keys == nullptr) return keys;
+  const int64_t* rows = p.row_keys + b * p.row_keys_stride + 2 * i0;
+  int64_t lo = p.S, hi = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    lo = std::min(lo, rows[2 * r]);
+    hi = std::max(hi, rows[2 * r + 1]);
+  }
+  return KeyRange{std::max(keys.begin, lo), std::min(keys.end, hi)};
+}
+
+// The query rows among `rows` that see a key of [j0, j1) by their own ranges
+// (row_keys), as one range from the first to the last; `rows` without them.
+inline KeyRange rows_seeing(const AttnParams& p, int64_t b, KeyRange rows, int64_t j0, int64_t j1) {
+  if (p.row_keys == nullptr) return rows;
+  const int64_t* keys = p.row_keys + b * p.row_keys_stride;
+  int64_t first = -1, last = -1;
+  for (int64_t i = rows.begin; i < rows.end; ++i) {
+    if (keys[2 * i] < j1 && keys[2 * i + 1] > j0) {
+      if (first < 0) first = i;
+      last = i;
+    }
+  }
+  return first < 0 ? KeyRange{rows.begin, rows.begin} : KeyRange{first, last + 1};
+}
+
 // Key blocks for a window that bounds both sides: the keys a query block sees
 // are about span = left + right + q wide, and the blocks that cover them
 // start on the kv grid, so up to a block is computed and masked in vain. A
@@ -1165,9 +1196,9 @@ void forward_driver(const AttnParams& p) {
       const int64_t m = std::min(q_block, ps.L - i0);
       // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached
       // panels), which starts at the first key run on (key_begin: keys before it are never read).
-      const int64_t kv_begin =
-          ps.key_begin + (visible_key_range(ps, i0).begin - ps.key_begin) / panel * panel;
-      const int64_t kv_end = visible_key_range(ps, i0 + m - 1).end;
+      const KeyRange keys = block_key_range(ps, b, i0, m);
+      const int64_t kv_begin = ps.key_begin + (keys.begin - ps.key_begin) / panel * panel;
+      const int64_t kv_end = keys.end;
       // This split's key tiles: [j_first, j_stop) (all of them without a split).
       const int64_t n_tiles = kv_end > kv_begin ? ceil_div(kv_end - kv_begin, kv_block) : 0;
       const int64_t j_first = kv_begin + n_tiles * split / splits * kv_block;
@@ -1540,7 +1571,7 @@ void backward_driver(const AttnBwdParams& p) {
         const int64_t j0 = ps.key_begin + blk * kv_block;
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
-        const KeyRange rows = visible_row_range(ps, j0, j0 + n);
+        const KeyRange rows = rows_seeing(ps, b, visible_row_range(ps, j0, j0 + n), j0, j0 + n);
         const int64_t right = right_reach(ps);
         const int64_t right_end = ps.causal_offset + right + 1;  // row i sees keys below i + right_end
         std::fill(dk_acc.begin(), dk_acc.end(), T(0));

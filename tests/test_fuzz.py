@@ -87,6 +87,10 @@ def calls(draw):
             entries = B if len(case["mask"][1]) == 4 and dims[0] else 1
             case["mask_tail"] = [draw(st.integers(0, S)) for _ in range(entries)]
             case["mask_head"] = [draw(st.integers(0, S)) for _ in range(entries)]
+        if mask_kind == "bool" and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
+            # each row sees one span of keys (causal-like, banded, documents): the CPU kernels
+            # skip the key tiles a query block's spans miss
+            case["mask_spans"] = draw(st.integers(1, S))  # the widest span
     case["is_causal"] = draw(st.booleans())
     case["causal_alignment"] = draw(st.sampled_from(["top_left", "bottom_right"]))
     if draw(st.integers(0, 3)) == 0:
@@ -123,6 +127,11 @@ def _inputs(case):
         kind, shape = case["mask"]
         if kind == "bool":
             mask = (torch.rand(shape, generator=gen) < 0.8).to(device)
+            if case.get("mask_spans"):
+                start = torch.randint(0, S, (*shape[:-1], 1), generator=gen)
+                width = torch.randint(0, case["mask_spans"] + 1, (*shape[:-1], 1), generator=gen)
+                keys = torch.arange(S)
+                mask = ((keys >= start) & (keys < start + width)).to(device)
             hidden = zip(case.get("mask_head", []), case.get("mask_tail", []))
             for b, (head, tail) in enumerate(hidden):  # per batch entry, or for all
                 entry = b if len(case["mask_tail"]) > 1 else slice(None)

@@ -48,7 +48,8 @@ struct AttnParams {
   // CPU only, host memory: with a bool mask that varies by row, row i of batch
   // entry b sees no key outside [row_keys[r], row_keys[r + 1]) (r = b *
   // row_keys_stride + 2 i; empty when the row sees none), which bounds the key
-  // tiles a query block visits and the query rows a key block visits.
+  // tiles a query block visits, the query rows a key block visits, and each
+  // row's scores (so a mask that held nothing else is dropped: mask_kind None).
   const int64_t* row_keys = nullptr;  // (B or 1, L, 2)
   int64_t row_keys_stride = 0;        // 2 L, or 0 when the mask broadcasts over the batch
 

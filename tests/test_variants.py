@@ -443,6 +443,17 @@ TAIL_CASES = {
     # each row sees a span of up to 40 keys somewhere in 700 (some rows none): a query
     # block's tiles span all of its rows' spans, a key block's rows are scattered
     "random_spans": dict(L=150, S=700, tail="random_spans", sinks=torch.float32),
+    # masks that are flags (the CPU kernels drop the mask and run the flags): a causal
+    # band of 64 keys, bottom-right, over left padding (entry 1's padding ends past the
+    # band's start), with ALiBi measured from the call's own alignment
+    "band_left_padded_alibi": dict(Hq=4, Hkv=2, L=40, S=300, tail="band", width=64, pad=[0, 230], alibi="NH",
+                                   causal_alignment="bottom_right"),
+    # the top-left triangle while ALiBi measures from the bottom-right alignment: the
+    # flags cannot say both, so the rows' own ranges stand for the mask
+    "triangle_alibi_other_alignment": dict(L=40, S=100, tail="lower_triangle", alibi="H",
+                                           causal_alignment="bottom_right"),
+    # documents with keys hidden inside them: the mask is not its ranges, and is read
+    "documents_with_holes": dict(B=1, L=300, S=300, tail="documents_holes", docs=[[90, 150, 60]]),
 }
 
 
@@ -457,10 +468,16 @@ def _tail_mask(cfg, B, H, L, S, device, seed):
     rows, keys = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
     if kind == "lower_triangle":
         return (keys <= rows).view(1, 1, L, S).to(device)
-    if kind == "documents":
+    if kind in ("documents", "documents_holes"):
         doc = [torch.repeat_interleave(torch.arange(len(d)), torch.tensor(d)) for d in cfg["docs"]]
         same = torch.stack([(d.view(L, 1) == d.view(1, S)) for d in doc])
-        return (same & (keys <= rows)).view(B, 1, L, S).to(device)
+        mask = (same & (keys <= rows)).view(B, 1, L, S)
+        if kind == "documents_holes":
+            mask &= torch.rand(mask.shape, generator=make_generator(seed)) > 0.02
+        return mask.to(device)
+    if kind == "band":
+        pos = rows + S - L
+        return ((keys <= pos) & (keys > pos - cfg["width"]) & (keys >= pad)).to(device)
     if kind == "random_spans":
         gen = make_generator(seed)
         start = torch.randint(0, S, (B, 1, L, 1), generator=gen)
@@ -532,6 +549,51 @@ def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):
     for name, a, b in zip(("out", "grad query", "grad key", "grad value"), *results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
     assert (results[0][0] != 0).any() and (results[0][3][0, :, 40:] == 0).all() and (results[0][3][1, :, 70:] == 0).all()
+
+
+# Bool masks that show each row exactly what a causal bound and a window would (a
+# model's causal or sliding-window mask built as a tensor, transformers' under
+# torch.compile), as (B, L, S, the mask of rows and keys, the flags' kwargs, the pads
+# of a left-padded batch, which go to the flag call as a (B, 1, 1, S) key-padding mask).
+FLAG_MASKS = {
+    "causal_top_left": (1, 200, 200, lambda i, j: j <= i, dict(is_causal=True), None),
+    "causal_bottom_right": (1, 70, 200, lambda i, j: j <= i + 130,
+                            dict(is_causal=True, causal_alignment="bottom_right"), None),
+    "sliding_window": (1, 300, 300, lambda i, j: (j <= i) & (j > i - 50), dict(is_causal=True, window=(49, 0)), None),
+    "left_padded_causal": (2, 150, 150, lambda i, j: j <= i, dict(is_causal=True), [0, 40]),
+    "band_both_sides": (1, 200, 200, lambda i, j: (j >= i - 20) & (j <= i + 10), dict(window=(20, 10)), None),
+}
+
+
+@pytest.mark.parametrize("case", list(FLAG_MASKS))
+def test_a_bool_mask_that_says_what_flags_say_runs_as_the_flags(device, case):
+    """On the CPU such a mask is replaced by the flags (no mask is read, and the
+    products stop at each row group's diagonal as the flags' do): output and gradients
+    are the flag call's bitwise, and so is where a NaN value reaches, which the mask
+    read in full spreads further (0 * NaN in the tiles the flags skip part of)."""
+    if device != "cpu":
+        pytest.skip("the CUDA kernels read the mask as given")
+    B, L, S, visible, flags, pads = FLAG_MASKS[case]
+    mask = visible(torch.arange(L).view(L, 1), torch.arange(S).view(1, S)).view(1, 1, L, S).expand(B, 1, L, S)
+    padding = None
+    if pads is not None:
+        padding = (torch.arange(S) >= torch.tensor(pads).view(B, 1, 1, 1)).to(device)
+        mask = mask & padding
+    mask = mask.to(device)
+    q, k, v = make_qkv(B, 4, 2, L, S, 32, 32, torch.float32, device, seed=27, requires_grad=True)
+    g = torch.randn(B, 4, L, 32, generator=make_generator(28)).to(device)
+    results = []
+    for m, kw in ((mask, {}), (padding, flags)):
+        out = sdpa(q, k, v, m, enable_gqa=True, **kw)
+        results.append((out, *torch.autograd.grad((out * g).sum(), [q, k, v])))
+    for name, a, b in zip(("out", "grad query", "grad key", "grad value"), *results):
+        assert torch.equal(a, b), name
+    poisoned = v.detach().clone()
+    poisoned[:, :, S - 1] = float("nan")  # the last key: seen by the last rows only
+    with torch.no_grad():
+        by_mask, by_flags = sdpa(q, k, poisoned, mask, enable_gqa=True), sdpa(q, k, poisoned, padding, enable_gqa=True, **flags)
+    assert by_flags.isnan().any() and not by_flags[:, :, : L // 2].isnan().any()
+    torch.testing.assert_close(by_mask, by_flags, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)

@@ -15,6 +15,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "../attention_math.h"
 #include "../ops.h"
 #include "kernels.h"
 
@@ -95,6 +96,22 @@ int64_t last_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
   return -1;
 }
 
+// Every key of [lo, hi) set (a bool is one byte, 0 or 1: four words ANDed are
+// all ones only when all 32 keys are).
+bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+  int64_t j = lo;
+  if (stride == 1) {
+    constexpr uint64_t kOnes = 0x0101010101010101ull;
+    for (uint64_t w[4]; j + 32 <= hi; j += 32) {
+      std::memcpy(w, row + j, 32);
+      if ((w[0] & w[1] & w[2] & w[3]) != kOnes) return false;
+    }
+  }
+  for (; j < hi; ++j)
+    if (row[j * stride] == 0) return false;
+  return true;
+}
+
 // The keys that a bool attn_mask hides from every query row are left out: the
 // kernels run on [key_begin, S) only, S cut after the last key some row sees
 // and key_begin at the first. A preallocated cache behind a mask of its written
@@ -120,18 +137,100 @@ int64_t last_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 // backward key block only the query rows whose ranges reach it. Tiles the mask
 // hides whole are then skipped as the causal flag's are.
 //
+// A mask that holds nothing but those ranges (one head, every row's keys one
+// unbroken run: a key-padding or written-slots row, the causal pattern, a
+// band, documents) is not read by the kernels at all: it is dropped, and the
+// ranges stand for it (score_row bounds each row by its row_keys). Where the
+// rows' ranges follow a causal bound or a window (flags_from_ranges: the call
+// has none of its own), the kernels take those flags and skip what the flags
+// let them skip, the products past each micro-kernel row group's diagonal:
+// a causal or banded pattern becomes the flags alone, packed documents the
+// causal flag beside each row's range.
+//
 // The scan reads each row from its end backwards down to the last key found so
-// far (per row, or per entry when the rows are one), and from key 0 forwards
-// up to the first; 32 keys to a step. It reads a causal mask from each row's
-// end to its diagonal, half the mask: O(mask) at most, as the kernels' own
-// reading of it. One key row of 32768 slots with 1 written: about 2 us, 8 such
-// rows about 9 us (AMD EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1,
-// 32768) mask of 4000 written slots: 4.2 ms as a float mask (not cut), 0.17 ms
-// (float32). CPU only: on CUDA the mask would have to be read on the host.
+// far, and from key 0 forwards up to the first; 32 keys to a step. With one
+// head it then reads the keys between (all_set) until a row breaks its run.
+// The whole mask at most: O(mask), as the kernels' own reading of it. One key
+// row of 32768 slots with 1 written: about 2 us, 8 such rows about 9 us (AMD
+// EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask of 4000
+// written slots: 4.2 ms as a float mask (not cut), 0.17 ms (float32). CPU only:
+// on CUDA the mask would have to be read on the host.
 struct KeyCut {
   std::vector<int64_t> entries;  // (B, 2): each batch entry's keys, when they differ
   std::vector<int64_t> rows;     // (B or 1, L, 2): each query row's keys, when the mask varies by row
 };
+
+// The causal bound and window that a mask's row ranges follow (the call must
+// have none of its own). rows[2 r], rows[2 r + 1]: row r = b L + i of mask entry
+// b sees keys [begin, end) at most; entries: each entry's [begin, end).
+//   Exact: the flags show each row exactly its range (within its entry's keys);
+//     the ranges are not needed beside them.
+//   Bound: the causal bound (or a window's right side) shows each row its range
+//     and more (packed documents: causal, each row from its document's start);
+//     the ranges stay beside it.
+// p takes the flags in both cases. ALiBi measures distances from i +
+// causal_offset, so with ALiBi the call's alignment stays and the bound becomes
+// a window's right side when it is not the causal diagonal.
+enum class RangeFlags { None, Bound, Exact };
+
+RangeFlags flags_from_ranges(AttnParams& p, const std::vector<int64_t>& rows, const std::vector<int64_t>& entries,
+                             int64_t nb) {
+  if (p.causal || p.window_left >= 0 || p.window_right >= 0) return RangeFlags::None;
+  const int64_t L = p.L;
+  int64_t right_row = -1, left_row = -1;  // the first rows that end before / begin after their entry's keys
+  for (int64_t r = 0; r < nb * L && (right_row < 0 || left_row < 0); ++r) {
+    const int64_t b = r / L, begin = rows[2 * r], end = rows[2 * r + 1];
+    if (begin >= end) continue;
+    if (right_row < 0 && end < entries[2 * b + 1]) right_row = r;
+    if (left_row < 0 && begin > entries[2 * b]) left_row = r;
+  }
+  AttnParams f = p;
+  if (right_row >= 0) {
+    const int64_t reach = rows[2 * right_row + 1] - 1 - right_row % L;  // row i's last key is i + reach
+    if (p.alibi == nullptr) {
+      f.causal = true;
+      f.causal_offset = reach;
+    } else if (reach == p.causal_offset) {
+      f.causal = true;
+    } else if (reach > p.causal_offset) {
+      f.window_right = reach - p.causal_offset;
+    } else {
+      return RangeFlags::None;
+    }
+  }
+  // Does every row's range equal (exact) or lie within the keys that g shows it?
+  auto follow = [&](const AttnParams& g, bool exact) {
+    for (int64_t b = 0; b < nb; ++b) {
+      AttnParams entry = g;
+      entry.key_begin = entries[2 * b];
+      entry.S = entries[2 * b + 1];
+      for (int64_t i = 0; i < L; ++i) {
+        const KeyRange shown = visible_key_range(entry, i);
+        const int64_t begin = rows[2 * (b * L + i)], end = rows[2 * (b * L + i) + 1];
+        if (begin >= end ? exact && shown.begin < shown.end
+                         : (exact ? shown.begin != begin || shown.end != end : shown.begin > begin || shown.end < end))
+          return false;
+      }
+    }
+    return true;
+  };
+  AttnParams windowed = f;
+  if (left_row >= 0) windowed.window_left = left_row % L + f.causal_offset - rows[2 * left_row];
+  RangeFlags kind = RangeFlags::None;
+  if ((left_row < 0 || windowed.window_left >= 0) && follow(windowed, /*exact=*/true)) {
+    f = windowed;
+    kind = RangeFlags::Exact;
+  } else if (right_row >= 0 && follow(f, /*exact=*/false)) {
+    kind = RangeFlags::Bound;
+  } else {
+    return RangeFlags::None;
+  }
+  p.causal = f.causal;
+  p.causal_offset = f.causal_offset;
+  p.window_left = f.window_left;
+  p.window_right = f.window_right;
+  return kind;
+}
 
 void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
   cut.entries.clear();
@@ -142,46 +241,30 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
   const int64_t S = p.S;
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
   auto row_of = [&](int64_t b, int64_t h, int64_t i) { return mask + b * stride[0] + h * stride[1] + i * stride[2]; };
-  std::vector<int64_t> found(2 * nb);  // [begin, end) of each entry
-  if (nl > 1) {
-    // Each query row's keys (over the heads), from both ends inwards: a causal row is read
-    // from its end down to its diagonal, and from key 0. The entry's are their hull.
-    cut.rows.resize(2 * nb * nl);
-    for (int64_t b = 0; b < nb; ++b) {
-      int64_t lo = S, hi = 0;
-      for (int64_t i = 0; i < nl; ++i) {
-        int64_t begin = S, end = 0;  // empty so far
-        for (int64_t h = 0; h < nh && (begin > 0 || end < S); ++h) {
-          const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
-          if (last >= 0) end = last + 1;
-          const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
-          if (first >= 0) begin = first;
-        }
-        cut.rows[2 * (b * nl + i)] = begin;
-        cut.rows[2 * (b * nl + i) + 1] = end;
-        lo = std::min(lo, begin);
-        hi = std::max(hi, end);
-      }
-      found[2 * b] = hi > 0 ? lo : 0;
-      found[2 * b + 1] = hi > 0 ? hi : 1;  // no row sees a key: key 0 alone
-    }
-    p.row_keys = cut.rows.data();
-    p.row_keys_stride = nb > 1 ? 2 * nl : 0;
-  } else {
-    for (int64_t b = 0; b < nb; ++b) {
-      int64_t end = 0;  // one past the last key seen so far: the last heads first
-      for (int64_t h = nh - 1; h >= 0 && end < S; --h) {
-        const int64_t last = last_set(row_of(b, h, 0), stride[3], end, S);
+  // Each query row's keys over the heads, from both ends inwards (a causal row is read from its
+  // end down to its diagonal, and from key 0); the entry's are their hull.
+  std::vector<int64_t> rows(2 * nb * nl), found(2 * nb);
+  bool runs = nh == 1;  // every row's keys one unbroken run so far
+  bool hidden = false;  // an entry whose rows see no key
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t lo = S, hi = 0;
+    for (int64_t i = 0; i < nl; ++i) {
+      int64_t begin = S, end = 0;  // empty so far
+      for (int64_t h = 0; h < nh && (begin > 0 || end < S); ++h) {
+        const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
         if (last >= 0) end = last + 1;
-      }
-      int64_t begin = end;  // the first key seen so far, before it only
-      for (int64_t h = 0; h < nh && begin > 0; ++h) {
-        const int64_t first = first_set(row_of(b, h, 0), stride[3], 0, begin);
+        const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
         if (first >= 0) begin = first;
       }
-      found[2 * b] = end > 0 ? begin : 0;
-      found[2 * b + 1] = end > 0 ? end : 1;  // no row sees a key: key 0 alone
+      runs = runs && (begin >= end || all_set(row_of(b, 0, i), stride[3], begin, end));
+      rows[2 * (b * nl + i)] = begin;
+      rows[2 * (b * nl + i) + 1] = end;
+      lo = std::min(lo, begin);
+      hi = std::max(hi, end);
     }
+    hidden = hidden || hi == 0;
+    found[2 * b] = hi > 0 ? lo : 0;
+    found[2 * b + 1] = hi > 0 ? hi : 1;  // no row sees a key: key 0 alone
   }
   int64_t low = S, high = 0;
   bool same = true;
@@ -192,9 +275,25 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
   }
   p.key_begin = low;
   p.S = high;
-  if (same) return;
-  cut.entries = std::move(found);
-  p.batch_keys = cut.entries.data();
+  if (!same) p.batch_keys = found.data();
+  // The mask is its ranges: the kernels need not read it (an entry that sees no key
+  // needs it when there are no row ranges to say so).
+  const bool drop = runs && (nl > 1 || !hidden);
+  if (nl > 1) {
+    if (flags_from_ranges(p, rows, found, nb) == RangeFlags::Exact) {
+      rows.clear();  // the flags (and the mask, when kept) say it all
+    } else {
+      p.row_keys = rows.data();
+      p.row_keys_stride = nb > 1 ? 2 * nl : 0;
+    }
+  }
+  if (drop) {
+    p.mask_kind = MaskKind::None;
+    p.mask = nullptr;
+    std::fill(p.mask_stride, p.mask_stride + 4, int64_t(0));
+  }
+  cut.rows = std::move(rows);  // the buffers move with their pointers
+  if (!same) cut.entries = std::move(found);
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -261,11 +360,13 @@ BwdOutputs make_backward_outputs(AttnBwdParams& p, const at::Tensor& query, cons
   return o;
 }
 
-// The forward of every op: the variants described in p, the outputs allocated
+// The forward of every op: the variants described in p, the keys no row sees
+// cut (when given a cut to keep them in), the outputs allocated
 // (make_forward_outputs), the kernel run. Returns {out or probs, lse}.
 std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,
-                                               const std::optional<at::Tensor>& dropout_seed) {
+                                               const std::optional<at::Tensor>& dropout_seed, KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
+  if (cut != nullptr) cut_unseen_keys(p, *cut);  // after the variants: it may set the flags
   auto [result, lse] = make_forward_outputs(p, query, probs);
   advise_huge_pages(result);
   if (lse.numel() == 0) return {result, lse};
@@ -275,8 +376,9 @@ std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants
 }
 
 // The backward of the ops with a value (attention_backward, varlen_backward):
-// the variants and grad_out described in p, every gradient allocated, the
-// kernel run, the mask's and the sinks' gradients summed.
+// the variants and grad_out described in p, the keys no row sees cut (as in
+// run_forward), every gradient allocated, the kernel run, the mask's and the
+// sinks' gradients summed.
 struct ValueGrads {
   BwdOutputs o;
   at::Tensor grad_value, grad_sinks;
@@ -285,8 +387,10 @@ ValueGrads run_value_backward(AttnBwdParams& p, Variants& variants, const at::Te
                               const at::Tensor& value, const at::Tensor& grad_out, const at::Tensor& out,
                               const at::Tensor& lse, const std::optional<at::Tensor>& grad_lse,
                               const std::optional<at::Tensor>& attn_mask,
-                              const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask) {
+                              const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask,
+                              KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
+  if (cut != nullptr) cut_unseen_keys(p, *cut);
   describe_grad_output(p, grad_out, out, query);
   ValueGrads g;
   g.o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
@@ -314,10 +418,9 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const std::optional<at::Tensor>& alibi_slopes,  // float32 (Hq,) or (B, Hq)
     const std::optional<at::Tensor>& sinks) {       // (Hq,)
   AttnParams p = make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
-  KeyCut cut;
-  cut_unseen_keys(p, cut);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  return run_forward(p, variants, query, /*probs=*/false, dropout_seed);
+  KeyCut cut;
+  return run_forward(p, variants, query, /*probs=*/false, dropout_seed, &cut);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
@@ -336,18 +439,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention
   static_cast<AttnParams&>(p) =
       make_params(query, key, value, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   const int64_t S = p.S;
-  KeyCut cut;
-  cut_unseen_keys(p, cut);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
+  KeyCut cut;
   ValueGrads g = run_value_backward(p, variants, query, key, value, grad_out, out, lse, grad_lse, attn_mask,
-                                    dropout_seed, compute_grad_mask);
+                                    dropout_seed, compute_grad_mask, &cut);
   // dK and dV of the keys no row sees (of the whole batch, or of each entry): 0
   auto zero_outside = [S](const at::Tensor& grad, int64_t begin, int64_t end) {
     if (begin > 0) grad.narrow(-2, 0, begin).zero_();
     if (end < S) grad.narrow(-2, end, S - end).zero_();
   };
+  const std::vector<int64_t>& entries = cut.entries;
   for (const at::Tensor& grad : {g.o.grad_key, g.grad_value}) {
-    const std::vector<int64_t>& entries = cut.entries;
     if (entries.empty()) zero_outside(grad, p.key_begin, p.S);
     for (int64_t b = 0; b < int64_t(entries.size()) / 2; ++b) zero_outside(grad[b], entries[2 * b], entries[2 * b + 1]);
   }

@@ -733,7 +733,7 @@ inline void add_pv_rows(T* o, int64_t ldo, const T* p, int64_t ldp, int64_t m, c
 // against keys j0 + j become softcap * tanh(s / softcap) (tanh_out, when given,
 // keeps the tanh for the backward), get the ALiBi bias and the additive mask
 // added, and -inf where the bool mask says no or the key is outside the row's
-// visible range (causal, window); s[n, n_padded) become -inf.
+// visible range (causal, window, its row_keys); s[n, n_padded) become -inf.
 //
 // Products may leave the row unscaled (AMX keeps Q as bfloat16, unscaled):
 // s * unscaled is the score. The softcap, the ALiBi bias and an additive mask
@@ -808,7 +808,11 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
         if (!m[j * sj]) s[j] = kNegInf;
     }
   }
-  const KeyRange keys = visible_key_range(p, i);
+  KeyRange keys = visible_key_range(p, i);
+  if (p.row_keys != nullptr) {  // the row's own keys, of a bool mask (which may be dropped: they are all it held)
+    const int64_t* own = p.row_keys + b * p.row_keys_stride + 2 * i;
+    keys = KeyRange{std::max(keys.begin, own[0]), std::min(keys.end, own[1])};
+  }
   const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, n);
   const int64_t end = std::clamp<int64_t>(keys.end - j0, begin, n);
   std::fill(s, s + begin, kNegInf);
@@ -1535,6 +1539,23 @@ void backward_driver(const AttnBwdParams& p) {
   Buffer<T> dq_partial(chunks > 1 ? heads * chunks * dq_size : 0);
   const T dq_mul = Products::dq_scale(p), dk_mul = Products::dk_scale(p);
 
+  // The query rows [begin, end) that see key block blk of batch entry b (its keys
+  // from the entry's key_begin): the causal bound's and the window's, narrowed
+  // by the rows' own ranges (row_keys) in a table of (B, key_blocks) when there
+  // are such ranges, which hold for every kv head alike.
+  std::vector<KeyRange> rows_of_block;
+  if (p.row_keys != nullptr) {
+    rows_of_block.resize(B * key_blocks);
+    SequenceViews<scalar_t, AttnBwdParams> views(p);
+    for (int64_t b = 0; b < B; ++b) {
+      const AttnBwdParams& ps = views.of(b);
+      for (int64_t blk = 0; ps.key_begin + blk * kv_block < ps.S; ++blk) {
+        const int64_t j0 = ps.key_begin + blk * kv_block, j1 = std::min(j0 + kv_block, ps.S);
+        rows_of_block[b * key_blocks + blk] = rows_seeing(ps, b, visible_row_range(ps, j0, j1), j0, j1);
+      }
+    }
+  }
+
   // Task (b, hk, chunk): kv-head-major when dense (a thread's share whole kv
   // heads); sequence-major when packed, shared out by cost as the forward's.
   const bool packed = p.cu_q != nullptr && chunks == 1;
@@ -1571,7 +1592,8 @@ void backward_driver(const AttnBwdParams& p) {
         const int64_t j0 = ps.key_begin + blk * kv_block;
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
-        const KeyRange rows = rows_seeing(ps, b, visible_row_range(ps, j0, j0 + n), j0, j0 + n);
+        const KeyRange rows = rows_of_block.empty() ? visible_row_range(ps, j0, j0 + n)
+                                                    : rows_of_block[b * key_blocks + blk];
         const int64_t right = right_reach(ps);
         const int64_t right_end = ps.causal_offset + right + 1;  // row i sees keys below i + right_end
         std::fill(dk_acc.begin(), dk_acc.end(), T(0));

@@ -369,6 +369,21 @@ def test_split_kv_over_batch_entries_cut_apart(device, four_threads):
         assert (gk[1, :, 300:] == 0).all() and (gv[1, :, 300:] == 0).all()
 
 
+def test_split_kv_over_query_blocks_of_row_ranges(device, four_threads):
+    """Three query rows that see three far-apart runs of a 4000-key cache (a bool mask
+    that is no causal bound or window): on the CPU each row is a query block of its own
+    (its keys start past the previous row's), three tasks for four threads, so each
+    block's keys are split between threads and merged; the results match the reference."""
+    starts, ends = torch.tensor([0, 1500, 3000]), torch.tensor([1500, 3000, 3900])
+    keys = torch.arange(4000)
+    mask = ((keys >= starts.view(3, 1)) & (keys < ends.view(3, 1))).view(1, 1, 3, 4000).to(device)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, _, kw = _case("decode", dtype, device, seed=29, requires_grad=True,
+                               cfg=dict(B=1, Hq=1, L=3, S=4000, E=64, Ev=64))
+        check_forward(q, k, v, mask, kw)
+        check_backward(q, k, v, mask, kw, seed=29, lse_weight=True)
+
+
 def test_split_kv_keeps_dropout_and_nan(device, four_threads):
     """The dropout of a split call is the unsplit call's (one thread: no split), and a
     NaN in a row's scores reaches its output and lse through the merge."""

@@ -1096,12 +1096,39 @@ void forward_driver(const AttnParams& p) {
   const BlockSizes tiles = forward_blocks(p.E, p.Ev);
   // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
   const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
-  const int64_t n_qblocks = ceil_div(p.L, q_block);  // of the longest sequence when packed
+  // Query blocks of q_block rows; with row ranges (row_keys), a block also ends
+  // before a row whose keys start at or past the previous row's end (the next
+  // packed document): a block straddling two documents would run its second
+  // document's rows over the first's keys. row_blocks[e] lists mask entry e's
+  // block starts and its end (L).
+  std::vector<std::vector<int64_t>> row_blocks;
+  if (p.row_keys != nullptr) {
+    row_blocks.resize(p.row_keys_stride != 0 ? B : 1);
+    for (int64_t e = 0; e < int64_t(row_blocks.size()); ++e) {
+      const int64_t* keys = p.row_keys + e * p.row_keys_stride;
+      std::vector<int64_t>& starts = row_blocks[e];
+      starts.push_back(0);
+      for (int64_t i = 1; i < p.L; ++i)
+        if (i - starts.back() == q_block || keys[2 * i] >= keys[2 * i - 1]) starts.push_back(i);
+      starts.push_back(p.L);
+    }
+  }
+  int64_t n_qblocks = ceil_div(p.L, q_block);  // of the longest sequence when packed
+  for (const std::vector<int64_t>& starts : row_blocks) n_qblocks = std::max<int64_t>(n_qblocks, starts.size() - 1);
+  // Query block qb of batch entry b: rows [i0, i0 + m) (m <= 0: none; past a shorter sequence's end).
+  auto block_rows = [&](const AttnParams& ps, int64_t b, int64_t qb) {
+    if (row_blocks.empty()) return KeyRange{qb * q_block, std::min(q_block * (qb + 1), ps.L)};
+    const std::vector<int64_t>& starts = row_blocks[p.row_keys_stride != 0 ? b : 0];
+    return qb + 1 < int64_t(starts.size()) ? KeyRange{starts[qb], starts[qb + 1]} : KeyRange{0, 0};
+  };
   // Keys are packed (and cached) in panels of `panel`; a score tile spans up to
   // kv_block keys, whole panels: with a window, the few panels a query block
-  // sees make one tile (one online-softmax step) instead of one each.
-  const int64_t panel = round_up(std::min(windowed_kv_block(p, tiles.kv, q_block), std::max<int64_t>(p.S, 1)),
-                                 Products::kKeyAlign);
+  // sees make one tile (one online-softmax step) instead of one each. With row
+  // ranges (row_keys) a block's keys start anywhere: 64-key panels, so that its
+  // first tile starts at most 63 keys before them.
+  const int64_t panel_keys = p.row_keys != nullptr ? std::min<int64_t>(64, tiles.kv)
+                                                   : windowed_kv_block(p, tiles.kv, q_block);
+  const int64_t panel = round_up(std::min(panel_keys, std::max<int64_t>(p.S, 1)), Products::kKeyAlign);
   const int64_t kv_block = std::max(panel, std::min(tiles.kv, round_up(std::max<int64_t>(p.S, 1), panel)) /
                                                panel * panel);
   const Dropout<T> drop(p);
@@ -1193,11 +1220,11 @@ void forward_driver(const AttnParams& p) {
       const int64_t task = item / splits, split = item % splits;
       const auto [b, h, qb] = task_of(task);
       const AttnParams& ps = views.of(b);
-      const int64_t i0 = qb * q_block;
-      if (i0 >= ps.L) continue;  // past a shorter sequence's end
+      const KeyRange rows = block_rows(ps, b, qb);
+      if (rows.end <= rows.begin) continue;  // past a shorter sequence's end, or no such block
       products.bind(ps);
       const int64_t hk = h / group;
-      const int64_t m = std::min(q_block, ps.L - i0);
+      const int64_t i0 = rows.begin, m = rows.end - rows.begin;
       // The block's rows see keys in [kv_begin, kv_end); tiles start on the panel grid (cached
       // panels), which starts at the first key run on (key_begin: keys before it are never read).
       const KeyRange keys = block_key_range(ps, b, i0, m);
@@ -1311,9 +1338,9 @@ void forward_driver(const AttnParams& p) {
     T row_l[kMaxQTile];
     for (int64_t task = begin; task < end; ++task) {
       const auto [b, h, qb] = task_of(task);
-      const int64_t i0 = qb * q_block;
-      if (i0 >= p.L) continue;
-      const int64_t m = std::min(q_block, p.L - i0);
+      const KeyRange rows = block_rows(p, b, qb);
+      if (rows.end <= rows.begin) continue;
+      const int64_t i0 = rows.begin, m = rows.end - rows.begin;
       std::fill(ot.begin(), ot.end(), T(0));
       for (int64_t r = 0; r < m; ++r) {
         T mx = kNegInf;

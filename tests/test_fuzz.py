@@ -91,6 +91,12 @@ def calls(draw):
             # each row sees one span of keys (causal-like, banded, documents): the CPU kernels
             # skip the key tiles a query block's spans miss
             case["mask_spans"] = draw(st.integers(1, S))  # the widest span
+        elif mask_kind == "bool" and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
+            # a band as a bool mask, row i seeing keys i + shift - left .. i + shift + right (a
+            # side None: unbounded): the causal pattern, a sliding window, the CPU kernels run
+            # it as those flags (or the causal bound beside the rows' ranges)
+            side = st.one_of(st.none(), st.integers(0, S))
+            case["mask_band"] = (draw(st.integers(-L, S)), draw(side), draw(side))
     case["is_causal"] = draw(st.booleans())
     case["causal_alignment"] = draw(st.sampled_from(["top_left", "bottom_right"]))
     if draw(st.integers(0, 3)) == 0:
@@ -132,6 +138,15 @@ def _inputs(case):
                 width = torch.randint(0, case["mask_spans"] + 1, (*shape[:-1], 1), generator=gen)
                 keys = torch.arange(S)
                 mask = ((keys >= start) & (keys < start + width)).to(device)
+            if case.get("mask_band"):
+                shift, left, right = case["mask_band"]
+                pos, keys = torch.arange(L).view(L, 1) + shift, torch.arange(S).view(1, S)
+                band = torch.ones(L, S, dtype=torch.bool)
+                if left is not None:
+                    band &= keys >= pos - left
+                if right is not None:
+                    band &= keys <= pos + right
+                mask = band.expand(shape).clone().to(device)
             hidden = zip(case.get("mask_head", []), case.get("mask_tail", []))
             for b, (head, tail) in enumerate(hidden):  # per batch entry, or for all
                 entry = b if len(case["mask_tail"]) > 1 else slice(None)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -242,13 +243,14 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
   auto row_of = [&](int64_t b, int64_t h, int64_t i) { return mask + b * stride[0] + h * stride[1] + i * stride[2]; };
   // Each query row's keys over the heads, from both ends inwards (a causal row is read from its
-  // end down to its diagonal, and from key 0); the entry's are their hull.
+  // end down to its diagonal, and from key 0), the rows shared out between the threads (a large
+  // mask is read at what memory gives each core); the entry's keys are their hull.
   std::vector<int64_t> rows(2 * nb * nl), found(2 * nb);
-  bool runs = nh == 1;  // every row's keys one unbroken run so far
-  bool hidden = false;  // an entry whose rows see no key
-  for (int64_t b = 0; b < nb; ++b) {
-    int64_t lo = S, hi = 0;
-    for (int64_t i = 0; i < nl; ++i) {
+  std::atomic<bool> broken{nh != 1};  // a row's keys are not one unbroken run (more than one head: unknown)
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (S * nh));  // 64 KiB of mask or more a task
+  at::parallel_for(0, nb * nl, grain, [&](int64_t first_row, int64_t last_row) {
+    for (int64_t r = first_row; r < last_row; ++r) {
+      const int64_t b = r / nl, i = r % nl;
       int64_t begin = S, end = 0;  // empty so far
       for (int64_t h = 0; h < nh && (begin > 0 || end < S); ++h) {
         const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
@@ -256,11 +258,19 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
         const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
         if (first >= 0) begin = first;
       }
-      runs = runs && (begin >= end || all_set(row_of(b, 0, i), stride[3], begin, end));
-      rows[2 * (b * nl + i)] = begin;
-      rows[2 * (b * nl + i) + 1] = end;
-      lo = std::min(lo, begin);
-      hi = std::max(hi, end);
+      if (begin < end && !broken.load(std::memory_order_relaxed) && !all_set(row_of(b, 0, i), stride[3], begin, end))
+        broken.store(true, std::memory_order_relaxed);
+      rows[2 * r] = begin;
+      rows[2 * r + 1] = end;
+    }
+  });
+  const bool runs = !broken.load();  // every row's keys one unbroken run
+  bool hidden = false;               // an entry whose rows see no key
+  for (int64_t b = 0; b < nb; ++b) {
+    int64_t lo = S, hi = 0;
+    for (int64_t r = b * nl; r < (b + 1) * nl; ++r) {
+      lo = std::min(lo, rows[2 * r]);
+      hi = std::max(hi, rows[2 * r + 1]);
     }
     hidden = hidden || hi == 0;
     found[2 * b] = hi > 0 ? lo : 0;

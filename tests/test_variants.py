@@ -577,6 +577,9 @@ FLAG_MASKS = {
     "sliding_window": (1, 300, 300, lambda i, j: (j <= i) & (j > i - 50), dict(is_causal=True, window=(49, 0)), None),
     "left_padded_causal": (2, 150, 150, lambda i, j: j <= i, dict(is_causal=True), [0, 40]),
     "band_both_sides": (1, 200, 200, lambda i, j: (j >= i - 20) & (j <= i + 10), dict(window=(20, 10)), None),
+    # the same mask copied for every head, (B, Hq, L, S) in memory
+    "sliding_window_per_head": (1, 300, 300, lambda i, j: (j <= i) & (j > i - 50),
+                                dict(is_causal=True, window=(49, 0)), None),
 }
 
 
@@ -594,6 +597,8 @@ def test_a_bool_mask_that_says_what_flags_say_runs_as_the_flags(device, case):
     if pads is not None:
         padding = (torch.arange(S) >= torch.tensor(pads).view(B, 1, 1, 1)).to(device)
         mask = mask & padding
+    if case.endswith("_per_head"):
+        mask = mask.expand(B, 4, L, S).contiguous()
     mask = mask.to(device)
     q, k, v = make_qkv(B, 4, 2, L, S, 32, 32, torch.float32, device, seed=27, requires_grad=True)
     g = torch.randn(B, 4, L, 32, generator=make_generator(28)).to(device)

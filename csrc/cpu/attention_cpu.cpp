@@ -138,9 +138,9 @@ bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 // backward key block only the query rows whose ranges reach it. Tiles the mask
 // hides whole are then skipped as the causal flag's are.
 //
-// A mask that holds nothing but those ranges (one head, every row's keys one
-// unbroken run: a key-padding or written-slots row, the causal pattern, a
-// band, documents) is not read by the kernels at all: it is dropped, and the
+// A mask that holds nothing but those ranges (every row's keys one unbroken
+// run, the same on every head: a key-padding or written-slots row, the causal
+// pattern, a band, documents) is not read by the kernels at all: it is dropped, and the
 // ranges stand for it (score_row bounds each row by its row_keys). Where the
 // rows' ranges follow a causal bound or a window (flags_from_ranges: the call
 // has none of its own), the kernels take those flags and skip what the flags
@@ -149,8 +149,8 @@ bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 // causal flag beside each row's range.
 //
 // The scan reads each row from its end backwards down to the last key found so
-// far, and from key 0 forwards up to the first; 32 keys to a step. With one
-// head it then reads the keys between (all_set) until a row breaks its run.
+// far, and from key 0 forwards up to the first; 32 keys to a step. It then
+// reads the keys between on each head (all_set) until a row breaks its run.
 // The whole mask at most: O(mask), as the kernels' own reading of it. One key
 // row of 32768 slots with 1 written: about 2 us, 8 such rows about 9 us (AMD
 // EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask of 4000
@@ -246,7 +246,7 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
   // end down to its diagonal, and from key 0), the rows shared out between the threads (a large
   // mask is read at what memory gives each core); the entry's keys are their hull.
   std::vector<int64_t> rows(2 * nb * nl), found(2 * nb);
-  std::atomic<bool> broken{nh != 1};  // a row's keys are not one unbroken run (more than one head: unknown)
+  std::atomic<bool> broken{false};  // a row's keys (on some head) are not one unbroken run
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (S * nh));  // 64 KiB of mask or more a task
   at::parallel_for(0, nb * nl, grain, [&](int64_t first_row, int64_t last_row) {
     for (int64_t r = first_row; r < last_row; ++r) {
@@ -258,8 +258,9 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
         const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
         if (first >= 0) begin = first;
       }
-      if (begin < end && !broken.load(std::memory_order_relaxed) && !all_set(row_of(b, 0, i), stride[3], begin, end))
-        broken.store(true, std::memory_order_relaxed);
+      // every head sets every key of the run: then each head's keys are the run, no more
+      for (int64_t h = 0; h < nh && begin < end && !broken.load(std::memory_order_relaxed); ++h)
+        if (!all_set(row_of(b, h, i), stride[3], begin, end)) broken.store(true, std::memory_order_relaxed);
       rows[2 * r] = begin;
       rows[2 * r + 1] = end;
     }

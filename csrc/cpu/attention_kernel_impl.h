@@ -1097,10 +1097,10 @@ void forward_driver(const AttnParams& p) {
   // whole micro-kernel row blocks (at::vec: 60 = 10 x 6) or whole AMX tiles (64 = 4 x 16)
   const int64_t q_block = tiles.q / Products::kRowAlign * Products::kRowAlign;
   // Query blocks of q_block rows; with row ranges (row_keys), a block also ends
-  // before a row whose keys start at or past the previous row's end (the next
-  // packed document): a block straddling two documents would run its second
-  // document's rows over the first's keys. row_blocks[e] lists mask entry e's
-  // block starts and its end (L).
+  // before a row whose keys start at or past the previous row's end, when that
+  // row sees keys (the next packed document): a block straddling two documents
+  // would run its second document's rows over the first's keys. row_blocks[e]
+  // lists mask entry e's block starts and its end (L).
   std::vector<std::vector<int64_t>> row_blocks;
   if (p.row_keys != nullptr) {
     row_blocks.resize(p.row_keys_stride != 0 ? B : 1);
@@ -1109,7 +1109,8 @@ void forward_driver(const AttnParams& p) {
       std::vector<int64_t>& starts = row_blocks[e];
       starts.push_back(0);
       for (int64_t i = 1; i < p.L; ++i)
-        if (i - starts.back() == q_block || keys[2 * i] >= keys[2 * i - 1]) starts.push_back(i);
+        if (i - starts.back() == q_block || (keys[2 * i - 2] < keys[2 * i - 1] && keys[2 * i] >= keys[2 * i - 1]))
+          starts.push_back(i);
       starts.push_back(p.L);
     }
   }

@@ -738,12 +738,36 @@ def test_variant_probs_match_reference(device, case, dtype):
 @pytest.mark.parametrize("case", ["window_causal_bottom_right_L_gt_S", "softcap", "sinks",
                                   "everything_gqa", "three_d"])
 def test_variant_probs_grads_match_reference(device, case, dtype):
-    attn_ext = attn_ext_module()
     q, k, _, mask, kw = _case(case, dtype, device, seed=len(case), requires_grad=True)
+    _check_probs_grads(q, k, mask, kw, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+@pytest.mark.parametrize("case", [c for c, cfg in TAIL_CASES.items() if cfg["tail"] not in ("key_rows", "none_seen")])
+def test_probs_of_masks_that_vary_by_row_match_reference(device, case, dtype):
+    """attention_probs with a bool mask that varies by row: on the CPU it is read as its
+    rows' ranges (and the flags they follow: the causal pattern, a band, documents),
+    no key is cut, and every key's probability is written (0 where hidden)."""
+    cfg = TAIL_CASES[case]
+    q, k, _, _, kw = _case(case, dtype, device, seed=31, requires_grad=True, cfg=cfg)
+    mask = _tail_mask(cfg, q.size(0), q.size(1), q.size(2), k.size(2), device, seed=32)
+    got = attn_ext_module().attention_probs(q, k, mask, **kw)
+    ref = attention_probs_reference(q, k, mask, **kw)
+    with torch.no_grad():
+        base, _ = torch_variant_probs(q, k, mask, **kw)
+    assert_close_by_rule("probs", got, ref, base.to(dtype), dtype)
+    assert (got.detach()[~mask.expand(got.shape)] == 0).all()
+    _check_probs_grads(q, k, mask, kw, dtype)
+
+
+def _check_probs_grads(q, k, mask, kw, dtype):
+    """attention_probs' gradients (query, key, a float mask, sinks) against the float64
+    reference's, by the rule."""
+    attn_ext = attn_ext_module()
     sinks = kw.get("sinks")
     inputs = [q, k, mask, sinks]
     got_probs = attn_ext.attention_probs(q, k, mask, **kw)
-    g = torch.randn(got_probs.shape, generator=make_generator(13)).to(device=device, dtype=dtype)
+    g = torch.randn(got_probs.shape, generator=make_generator(13)).to(device=q.device, dtype=dtype)
     got = grads(got_probs, inputs, g)
     r = [leaf64(t) for t in inputs]
     ref = attention_probs_reference(r[0], r[1], r[2], **dict(kw, sinks=r[3]))

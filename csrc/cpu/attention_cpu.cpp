@@ -233,11 +233,16 @@ RangeFlags flags_from_ranges(AttnParams& p, const std::vector<int64_t>& rows, co
   return kind;
 }
 
-void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
+// keep_keys (attention_probs, which writes every key's probability): no key is
+// cut, and a mask that varies by row is read as its row ranges only, which then
+// always stay beside the flags (they hold the entries' ends that the cut holds
+// otherwise).
+void cut_unseen_keys(AttnParams& p, KeyCut& cut, bool keep_keys = false) {
   cut.entries.clear();
   cut.rows.clear();
   const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
   if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return;
+  if (keep_keys && stride[2] == 0) return;
   const auto* mask = static_cast<const uint8_t*>(p.mask);
   const int64_t S = p.S;
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
@@ -284,14 +289,16 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
     high = std::max(high, found[2 * b + 1]);
     same = same && found[2 * b] == found[0] && found[2 * b + 1] == found[1];
   }
-  p.key_begin = low;
-  p.S = high;
-  if (!same) p.batch_keys = found.data();
+  if (!keep_keys) {
+    p.key_begin = low;
+    p.S = high;
+    if (!same) p.batch_keys = found.data();
+  }
   // The mask is its ranges: the kernels need not read it (an entry that sees no key
   // needs it when there are no row ranges to say so).
   const bool drop = runs && (nl > 1 || !hidden);
   if (nl > 1) {
-    if (flags_from_ranges(p, rows, found, nb) == RangeFlags::Exact) {
+    if (flags_from_ranges(p, rows, found, nb) == RangeFlags::Exact && !keep_keys) {
       rows.clear();  // the flags (and the mask, when kept) say it all
     } else {
       p.row_keys = rows.data();
@@ -304,7 +311,7 @@ void cut_unseen_keys(AttnParams& p, KeyCut& cut) {
     std::fill(p.mask_stride, p.mask_stride + 4, int64_t(0));
   }
   cut.rows = std::move(rows);  // the buffers move with their pointers
-  if (!same) cut.entries = std::move(found);
+  if (!same && !keep_keys) cut.entries = std::move(found);
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -377,7 +384,7 @@ BwdOutputs make_backward_outputs(AttnBwdParams& p, const at::Tensor& query, cons
 std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,
                                                const std::optional<at::Tensor>& dropout_seed, KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
-  if (cut != nullptr) cut_unseen_keys(p, *cut);  // after the variants: it may set the flags
+  if (cut != nullptr) cut_unseen_keys(p, *cut, /*keep_keys=*/probs);  // after the variants: it may set the flags
   auto [result, lse] = make_forward_outputs(p, query, probs);
   advise_huge_pages(result);
   if (lse.numel() == 0) return {result, lse};
@@ -476,7 +483,8 @@ std::tuple<at::Tensor, at::Tensor> attention_probs_cpu(
     const std::optional<at::Tensor>& alibi_slopes, const std::optional<at::Tensor>& sinks) {
   AttnParams p = make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
-  return run_forward(p, variants, query, /*probs=*/true, dropout_seed);
+  KeyCut cut;
+  return run_forward(p, variants, query, /*probs=*/true, dropout_seed, &cut);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backward_cpu(
@@ -495,6 +503,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backw
       make_params(query, key, attn_mask, dropout_p, is_causal, causal_offset, scale, dropout_seed);
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   describe_variants(p, variants, query);
+  KeyCut cut;
+  cut_unseen_keys(p, cut, /*keep_keys=*/true);  // the forward's row ranges and flags
   describe_grad_probs(p, grad_probs, probs, query);
   BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor dsinks = grad_sinks_buffer(p, variants, query);

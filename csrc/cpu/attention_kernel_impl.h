@@ -727,6 +727,10 @@ inline void add_pv_rows(T* o, int64_t ldo, const T* p, int64_t ldp, int64_t m, c
   }
 }
 
+// The row ranges of batch entry b's query rows (AttnParams::row_keys): row i
+// sees no key outside [r[2 i], r[2 i + 1]). Only when p.row_keys is set.
+inline const int64_t* row_ranges_of(const AttnParams& p, int64_t b) { return p.row_keys + b * p.row_keys_stride; }
+
 // ---------------------------------------------------------------------------
 // The scores of one row of a tile, as DESIGN.md orders them. Shared by forward
 // and backward so that they cannot disagree: scores s[0, n) of query row i
@@ -810,7 +814,7 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
   }
   KeyRange keys = visible_key_range(p, i);
   if (p.row_keys != nullptr) {  // the row's own keys, of a bool mask (which may be dropped: they are all it held)
-    const int64_t* own = p.row_keys + b * p.row_keys_stride + 2 * i;
+    const int64_t* own = row_ranges_of(p, b) + 2 * i;
     keys = KeyRange{std::max(keys.begin, own[0]), std::min(keys.end, own[1])};
   }
   const int64_t begin = std::clamp<int64_t>(keys.begin - j0, 0, n);
@@ -1019,7 +1023,7 @@ class SequenceViews {
 inline KeyRange block_key_range(const AttnParams& p, int64_t b, int64_t i0, int64_t m) {
   KeyRange keys{visible_key_range(p, i0).begin, visible_key_range(p, i0 + m - 1).end};
   if (p.row_keys == nullptr) return keys;
-  const int64_t* rows = p.row_keys + b * p.row_keys_stride + 2 * i0;
+  const int64_t* rows = row_ranges_of(p, b) + 2 * i0;
   int64_t lo = p.S, hi = 0;
   for (int64_t r = 0; r < m; ++r) {
     lo = std::min(lo, rows[2 * r]);
@@ -1029,10 +1033,9 @@ inline KeyRange block_key_range(const AttnParams& p, int64_t b, int64_t i0, int6
 }
 
 // The query rows among `rows` that see a key of [j0, j1) by their own ranges
-// (row_keys), as one range from the first to the last; `rows` without them.
+// (row_keys, which must be set), as one range from the first to the last.
 inline KeyRange rows_seeing(const AttnParams& p, int64_t b, KeyRange rows, int64_t j0, int64_t j1) {
-  if (p.row_keys == nullptr) return rows;
-  const int64_t* keys = p.row_keys + b * p.row_keys_stride;
+  const int64_t* keys = row_ranges_of(p, b);
   int64_t first = -1, last = -1;
   for (int64_t i = rows.begin; i < rows.end; ++i) {
     if (keys[2 * i] < j1 && keys[2 * i + 1] > j0) {
@@ -1105,7 +1108,7 @@ void forward_driver(const AttnParams& p) {
   if (p.row_keys != nullptr) {
     row_blocks.resize(p.row_keys_stride != 0 ? B : 1);
     for (int64_t e = 0; e < int64_t(row_blocks.size()); ++e) {
-      const int64_t* keys = p.row_keys + e * p.row_keys_stride;
+      const int64_t* keys = row_ranges_of(p, e);
       std::vector<int64_t>& starts = row_blocks[e];
       starts.push_back(0);
       for (int64_t i = 1; i < p.L; ++i)

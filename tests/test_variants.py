@@ -267,9 +267,13 @@ TILE_CASES = {
 }
 
 
-@pytest.mark.parametrize("case,dtype", [(c, torch.float32) for c in TILE_CASES]
-                         + [("L300_S333_everything_gqa", F64)],
-                         ids=[f"{c}-float32" for c in TILE_CASES] + ["L300_S333_everything_gqa-float64"])
+# bfloat16 too: its products skip the blocks of rows and keys outside each block's band
+# (both sides of a window, the causal bound), reading Q and dO in place where L % 16 == 0.
+_TILE_PARAMS = ([(c, torch.float32) for c in TILE_CASES] + [("L300_S333_everything_gqa", F64)]
+                + [(c, torch.bfloat16) for c in TILE_CASES])
+
+
+@pytest.mark.parametrize("case,dtype", _TILE_PARAMS, ids=[f"{c}-{_ids(d)}" for c, d in _TILE_PARAMS])
 def test_multi_tile_window_forward_and_grads_match_reference(device, case, dtype):
     cfg = TILE_CASES[case]
     q, k, v, mask, kw = _case(case, dtype, device, seed=7, requires_grad=True, cfg=cfg)

@@ -25,8 +25,46 @@ void zero_rows(uint16_t* a, int64_t ld, int64_t from, int64_t to) {
   if (to > from) std::fill(a + from * ld, a + to * ld, uint16_t(0));
 }
 
+// Rows [0, m) of a bfloat16 matrix (row stride ld, columns contiguous) as the A operand of
+// products over mp rows (zero past m) and Kp columns (zero past K): read in place where that
+// needs no padding, else copied into buf (mp x Kp).
+struct ARows {
+  const uint16_t* data;
+  int64_t ld;
+};
+
+ARows a_operand(uint16_t* buf, const Bf16* rows, int64_t ld, int64_t m, int64_t mp, int64_t K, int64_t Kp) {
+  if (m == mp && K == Kp && ld >= K) return ARows{bits(rows), ld};
+  amx::copy_rows_bf16(buf, Kp, bits(rows), ld, m, K, Kp);
+  zero_rows(buf, Kp, m, mp);
+  return ARows{buf, Kp};
+}
+
+// A band of a score tile: row r of a query block sees columns [first + r, reach + r) of the
+// tile's n (the causal bound and a window's two sides, relative to the tile; first <= -r and
+// reach >= n - r leave that side open). Products over a band skip the blocks of rows and
+// columns no row of theirs sees: the columns rows [r0, r1) see, and the rows that see
+// columns [c0, c1), both widened to multiples of `align` and kept within round_up(n or m, align).
+struct Span {
+  int64_t begin, end;
+};
+constexpr int64_t kOpen = int64_t(1) << 60;  // a reach (or -first) that leaves its side of the band open
+
+Span band_columns(int64_t first, int64_t reach, int64_t r0, int64_t r1, int64_t n, int64_t align) {
+  const int64_t begin = std::clamp<int64_t>(first + r0, 0, n) / align * align;
+  const int64_t end = round_up(std::clamp<int64_t>(reach + r1 - 1, 0, n), align);
+  return Span{begin, std::max(begin, end)};
+}
+
+Span band_rows(int64_t first, int64_t reach, int64_t c0, int64_t c1, int64_t m, int64_t align) {
+  const int64_t begin = std::clamp<int64_t>(c0 - reach + 1, 0, m) / align * align;
+  const int64_t end = round_up(std::clamp<int64_t>(c1 - first, 0, m), align);
+  return Span{begin, std::max(begin, end)};
+}
+
 // The products' two engines: one interface (amx::gemm's), with its per-thread set-up.
 struct TileEngine {  // AMX-BF16 tiles: the tile configuration is per-thread state
+  static constexpr int64_t kBandRows = 32;  // its products run 32 x 32 blocks of C (four tiles)
   static void start() { amx::configure_tiles(); }
   static void stop() { amx::release_tiles(); }
   static void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb,
@@ -36,6 +74,7 @@ struct TileEngine {  // AMX-BF16 tiles: the tile configuration is per-thread sta
 };
 
 struct DotEngine {  // AVX512-BF16 dot products: no state
+  static constexpr int64_t kBandRows = 16;  // the smallest M gemm_dots takes
   static void start() {}
   static void stop() {}
   static void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* Bv, int64_t ldb,
@@ -45,10 +84,11 @@ struct DotEngine {  // AVX512-BF16 dot products: no state
 };
 
 // The forward's products on an engine's bfloat16 products (VecForwardProducts' interface). Q is
-// kept as bfloat16 rows (the A operand), unscaled: the driver applies the
-// scale to the float32 scores (unscaled()). K^T and V of a (batch, kv head)
-// are packed once into VNNI panels of `panel` keys and kept while they fit
-// (PanelCache). Each row of P is rounded to bfloat16 for P V.
+// the A operand as bfloat16 rows, read in place where it needs no padding (a_operand),
+// unscaled: the driver applies the scale to the float32 scores (unscaled()). K^T and V of a
+// (batch, kv head) are packed once into VNNI panels of `panel` keys and kept while they fit
+// (PanelCache). Each row of P is rounded to bfloat16 for P V. Both products skip what lies
+// outside the query block's band (causal bound, window), Engine::kBandRows rows at a time.
 template <class Engine>
 class Bf16ForwardProducts {
  public:
@@ -79,12 +119,12 @@ class Bf16ForwardProducts {
     const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
     m_ = m;
     mp_ = round_up(m, 16);
-    amx::copy_rows_bf16(qa_.data(), Ep_, bits(q_rows), p_->q_stride[2], m, E_, Ep_);
-    zero_rows(qa_.data(), Ep_, m, mp_);
+    q_ = a_operand(qa_.data(), q_rows, p_->q_stride[2], m, mp_, E_, Ep_);
   }
 
-  // S = Q K[j0, j0 + n)^T, a product per panel (j0 on a panel boundary).
-  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
+  // S = Q K[j0, j0 + n)^T, a product per panel (j0 on a panel boundary), each block of rows
+  // over the columns of the panel its band holds (band_columns; the rest is left unwritten).
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t first) {
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
       uint16_t* kv = kv_.data() + slot * k_panel_;
@@ -94,7 +134,15 @@ class Bf16ForwardProducts {
         amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0 + c), E_, Ep_, panel_);
         cache_.mark(cache_.k, slot);
       }
-      Engine::gemm(mp_, std::min(panel_, ld - c), Ep_, qa_.data(), Ep_, kv, 2 * panel_, st + c, ld, false);
+      const int64_t c_end = std::min(c + panel_, ld);  // the last panel's columns up to ld
+      for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
+        const int64_t rows = std::min(kBand, mp_ - r0);
+        const Span band = band_columns(first, reach, r0, r0 + rows, n, 16);
+        const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
+        if (end > begin)
+          Engine::gemm(rows, end - begin, Ep_, q_.data + r0 * q_.ld, q_.ld, kv + 2 * (begin - c), 2 * panel_,
+                       st + r0 * ld + begin, ld, false);
+      }
     }
   }
 
@@ -104,7 +152,9 @@ class Bf16ForwardProducts {
     amx::convert_rows_to_bf16(pa_.data() + r * n32, n32, s, n32, 1, n, n32);
   }
 
-  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
+  // O += P V, each block of rows over the keys its band holds (P is 0 past them), 32 at a time.
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
+              int64_t first) {
     const int64_t n32 = round_up(n, 32);
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
     for (int64_t c = 0; c < n; c += panel_) {
@@ -115,17 +165,27 @@ class Bf16ForwardProducts {
         amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0 + c), p_->Ev, panel_, Evp_);
         cache_.mark(cache_.v, slot);
       }
-      Engine::gemm(mp_, Evp_, std::min(panel_, n32 - c), pa_.data() + c, n32, vv, 2 * Evp_, ot, Evp_, true);
+      const int64_t c_end = std::min(c + panel_, n32);
+      for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
+        const int64_t rows = std::min(kBand, mp_ - r0);
+        const Span band = band_columns(first, reach, r0, r0 + rows, n, 32);
+        const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
+        if (end > begin)
+          Engine::gemm(rows, Evp_, end - begin, pa_.data() + r0 * n32 + begin, n32, vv + (begin - c) * Evp_,
+                       2 * Evp_, ot + r0 * Evp_, Evp_, true);
+      }
     }
   }
 
  private:
+  static constexpr int64_t kBand = Engine::kBandRows;
   int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
 
   const AttnParams* p_;
   const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
   PanelCache cache_;
   int64_t m_ = 0, mp_ = 0;
+  ARows q_{};
   Buffer<uint16_t> qa_, pa_, kv_, vv_;
 };
 
@@ -159,7 +219,8 @@ class Bf16DotProducts {
                         Ep_);
   }
 
-  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/,
+              int64_t /*first*/) {
     amx::dot_rows_bf16(st, ld, qa_.data(), Ep_, m_, bits(row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0)),
                        p_->k_stride[2], n, E_);
     for (int64_t r = 0; r < m_; ++r) std::fill(st + r * ld + n, st + (r + 1) * ld, 0.f);
@@ -170,7 +231,8 @@ class Bf16DotProducts {
     amx::convert_rows_to_bf16(pa_.data() + r * lp_, lp_, s, lp_, 1, n, round_up(n, 2));
   }
 
-  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/) {
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t /*reach*/,
+              int64_t /*first*/) {
     amx::add_pv_rows_bf16(ot, Evp_, pa_.data(), lp_, m_, bits(row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0)),
                           p_->v_stride[2], n, p_->Ev);
   }
@@ -187,6 +249,8 @@ class Bf16DotProducts {
 // dV, whose sums run over the query rows); K^T, V^T and K of a key block as
 // VNNI panels. Z^T, dS and dS^T are rounded to bfloat16 for their products.
 // S = Q K^T comes unscaled (the driver scales it); dQ and dK are stored times the scale.
+// Q and dO are read in place as A rows where they need no padding (a_operand); every
+// product skips the blocks outside the query block's band (narrow()).
 template <class Engine>
 class Bf16BackwardProducts {
  public:
@@ -218,7 +282,7 @@ class Bf16BackwardProducts {
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    narrow(n, n);
+    narrow(n, kOpen, -kOpen);
     ld16_ = n16_;  // the row stride of the driver's score tiles
     const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
@@ -233,49 +297,80 @@ class Bf16BackwardProducts {
     m16_ = round_up(m, 16);
     m32_ = round_up(m, 32);
     const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
-    amx::copy_rows_bf16(q_a_.data(), Ep32_, bits(q_rows), p_->q_stride[2], m, E_, Ep32_);
-    zero_rows(q_a_.data(), Ep32_, m, m16_);
+    q_ = a_operand(q_a_.data(), q_rows, p_->q_stride[2], m, m16_, E_, Ep32_);
     amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_->q_stride[2], m, E_, m32_, Ep16_);
     if (from_probs_) return;
     const Bf16* do_rows = row_at<Bf16>(p_->dout, p_->do_stride, b, h, i0);
-    amx::copy_rows_bf16(do_a_.data(), Evp32_, bits(do_rows), p_->do_stride[2], m, Ev_, Evp32_);
-    zero_rows(do_a_.data(), Evp32_, m, m16_);
+    do_ = a_operand(do_a_.data(), do_rows, p_->do_stride[2], m, m16_, Ev_, Evp32_);
     amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
   }
 
   // The next products take only the first n keys of the loaded block (the query block sees no
-  // more); every row's, whatever its reach (the driver makes P and dS 0 past it).
-  void narrow(int64_t n, int64_t /*reach*/) {
+  // more), and of those only the band row r sees, [first + r, reach + r) (band_columns), in
+  // blocks of Engine::kBandRows: S and dP are left unwritten outside it, and the driver makes
+  // P and dS 0 there.
+  void narrow(int64_t n, int64_t reach, int64_t first) {
     n_ = n;
     n16_ = round_up(n, 16);
     n32_ = round_up(n, 32);
+    reach_ = reach;
+    first_ = first;
   }
 
-  void scores(float* st) {
-    Engine::gemm(m16_, n16_, Ep32_, q_a_.data(), Ep32_, k_t_.data(), 2 * kv_block_, st, ld16_, false);
-  }
+  void scores(float* st) { band_products(st, q_, Ep32_, k_t_.data()); }
 
-  void grad_probs(float* dst) {
-    Engine::gemm(m16_, n16_, Evp32_, do_a_.data(), Evp32_, v_t_.data(), 2 * kv_block_, dst, ld16_, false);
-  }
+  void grad_probs(float* dst) { band_products(dst, do_, Evp32_, v_t_.data()); }
 
   void add_dv(float* dv, const float* z) {
     transposed_a(z);
-    Engine::gemm(n16_, Evp16_, m32_, t_a_.data(), m32_, do_r_.data(), 2 * Evp16_, dv, Evp16_, true);
+    key_products(dv, Evp16_, do_r_.data());
   }
 
+  // dq += bf16(dS) K, each block of rows over the keys it sees (32 at a time: the products' depth).
   void add_dq(float* dq, const float* ds) {
     amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, ld16_, m_, n_, n32_);
     zero_rows(d_a_.data(), n32_, m_, m16_);
-    Engine::gemm(m16_, Ep16_, n32_, d_a_.data(), n32_, k_r_.data(), 2 * Ep16_, dq, Ep16_, true);
+    for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
+      const int64_t rows = std::min(kBand, m16_ - r0);
+      const Span keys = band_columns(first_, reach_, r0, r0 + rows, n_, 32);
+      if (keys.end > keys.begin)
+        Engine::gemm(rows, Ep16_, keys.end - keys.begin, d_a_.data() + r0 * n32_ + keys.begin, n32_,
+                     k_r_.data() + keys.begin * Ep16_, 2 * Ep16_, dq + r0 * Ep16_, Ep16_, true);
+    }
   }
 
   void add_dk(float* dk, const float* ds) {
     transposed_a(ds);
-    Engine::gemm(n16_, Ep16_, m32_, t_a_.data(), m32_, q_r_.data(), 2 * Ep16_, dk, Ep16_, true);
+    key_products(dk, Ep16_, q_r_.data());
   }
 
  private:
+  static constexpr int64_t kBand = Engine::kBandRows;
+
+  // c (m16 x n16, row stride ld16) = a (m16 x K bf16 rows) bv (K x n16, a VNNI panel of the
+  // block's keys), each block of rows over its band's columns only.
+  void band_products(float* c, ARows a, int64_t K, const uint16_t* bv) {
+    for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
+      const int64_t rows = std::min(kBand, m16_ - r0);
+      const Span cols = band_columns(first_, reach_, r0, r0 + rows, n_, 16);
+      if (cols.end > cols.begin)
+        Engine::gemm(rows, cols.end - cols.begin, K, a.data + r0 * a.ld, a.ld, bv + 2 * cols.begin, 2 * kv_block_,
+                     c + r0 * ld16_ + cols.begin, ld16_, false);
+    }
+  }
+
+  // c (n16 x N) += t_a y, y (m32 x N, a VNNI panel of the block's rows): each block of keys
+  // summed over the rows that see it (32 at a time).
+  void key_products(float* c, int64_t N, const uint16_t* y) {
+    for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
+      const int64_t keys = std::min(kBand, n16_ - c0);
+      const Span rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
+      if (rows.end > rows.begin)
+        Engine::gemm(keys, N, rows.end - rows.begin, t_a_.data() + c0 * m32_ + rows.begin, m32_,
+                     y + rows.begin * N, 2 * N, c + c0 * N, N, true);
+    }
+  }
+
   // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16): the A operand of dV and dK.
   void transposed_a(const float* x) {
     amx::convert_transposed_to_bf16(t_a_.data(), m32_, x, ld16_, m_, n_, m32_);
@@ -285,7 +380,8 @@ class Bf16BackwardProducts {
   const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
   const bool from_probs_;
-  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0;
+  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
+  ARows q_{}, do_{};  // the query block's Q and dO rows as A operands
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
 };
 

@@ -905,8 +905,9 @@ class VecForwardProducts {
   // keys [j0, j0 + reach + r) (causal or a window's right side; the driver
   // masks the rest): where a group of micro-kernel rows needs fewer columns
   // than the tile has, its product stops at whole vectors past its last row's
-  // reach and leaves the rest of its rows unwritten.
-  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
+  // reach and leaves the rest of its rows unwritten. (Keys before first + r, a
+  // window's left side, are computed here; the bfloat16 products skip them too.)
+  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t /*first*/) {
     if (direct_) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
@@ -930,7 +931,8 @@ class VecForwardProducts {
 
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n); row r of P is 0
   // past reach + r (scores()), so each row group's product stops at its last row's reach.
-  void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach) {
+  void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
+              int64_t /*first*/) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_ && direct_) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
@@ -1252,7 +1254,9 @@ void forward_driver(const AttnParams& p) {
         const int64_t n = std::min(kv_block, j_stop - j0);
         const int64_t np = round_up(n, kCols);
         const int64_t reach = right >= 0 ? std::min(n, i0 + right_end - j0) : n;
-        products.scores(st.data(), np, b, hk, j0, n, reach);
+        // and none before first + r (a window's left side; score_row masks them, the products may skip them)
+        const int64_t first = ps.window_left >= 0 ? std::max(i0 + ps.causal_offset - ps.window_left - j0, -m) : -m;
+        products.scores(st.data(), np, b, hk, j0, n, reach, first);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -1280,7 +1284,7 @@ void forward_driver(const AttnParams& p) {
           }
           products.take_p_row(r, s, n);
         }
-        if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n, reach);
+        if (!write_probs) products.add_pv(ot.data(), st.data(), np, b, hk, j0, n, reach, first);
       }
 
       if (splits > 1) {  // leave the partial results for the merge below
@@ -1301,7 +1305,7 @@ void forward_driver(const AttnParams& p) {
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
         const bool seen = j0 + n > kv_begin && j0 < kv_end;
-        if (seen) products.scores(st.data(), np, b, hk, j0, n, n);
+        if (seen) products.scores(st.data(), np, b, hk, j0, n, n, -m);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
           T* s = st.data() + r * np;
@@ -1437,8 +1441,10 @@ class VecBackwardProducts {
 
   // The next products take only the first n keys of the loaded block, and row r of
   // the query block only keys below reach + r (causal, a window's right side):
-  // past them S and dP are left unwritten and the driver makes P and dS 0.
-  void narrow(int64_t n, int64_t reach) {
+  // past them S and dP are left unwritten and the driver makes P and dS 0. (Keys
+  // before first + r, a window's left side, are computed here; the bfloat16
+  // products skip them too.)
+  void narrow(int64_t n, int64_t reach, int64_t /*first*/) {
     n_ = n;
     np_ = round_up(n, kCols);
     reach_ = reach;
@@ -1638,9 +1644,11 @@ void backward_driver(const AttnBwdParams& p) {
             // the keys the block's last row sees (causal, a window's right side): those past them
             // take no product; the tiles keep their row stride np
             const int64_t reach = right >= 0 ? i0 + right_end - j0 : n;  // row i0 + r sees keys below reach + r
+            // and none before first + r (a window's left side)
+            const int64_t first = ps.window_left >= 0 ? std::max(i0 + ps.causal_offset - ps.window_left - j0, -m) : -m;
             const int64_t nq = std::clamp<int64_t>(reach + m - 1, 1, n);
             const int64_t npq = round_up(nq, kCols);
-            products.narrow(nq, reach);
+            products.narrow(nq, reach, first);
             products.load_q(b, h, i0, m);
             // S = scale Q K^T, dZ = dO V^T (or the given gradient of the probabilities)
             products.scores(pt.data());
@@ -1670,6 +1678,10 @@ void backward_driver(const AttnBwdParams& p) {
               const int64_t nr = std::clamp<int64_t>(reach + r, 0, nq), npr = round_up(nr, kCols);
               std::fill(s + npr, s + npq, T(0));
               std::fill(ds + npr, ds + npq, T(0));
+              // and start at first + r: before it too (score_row masks S there)
+              const int64_t skipped = std::clamp<int64_t>(first + r, 0, nr);
+              std::fill(s, s + skipped, T(0));
+              std::fill(ds, ds + skipped, T(0));
               if (dropout) std::fill(zt.data() + r * np + npr, zt.data() + r * np + npq, T(0));
               const T f = score_row<scalar_t, T>(ps, s, nr, npr, b, h, i, j0, unscaled, t);
               probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nr, npr, row_lse, f, b, h,

@@ -230,41 +230,59 @@ void gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t a_rs, in
   for (; n < N; n += VS) gemm_strip<T, 1>(M, K, alpha, a, a_rs, a_cs, b + n, ldb, accumulate, c + n, ldc);
 }
 
-// Products whose row r needs only its first reach + r columns (causal, a
-// window's right side), reach counted from column 0 of the product (it may be
-// negative or past the end). `valid` of the N columns are real (the rest pad
-// to the vector width); reach >= valid means every row needs every column.
-//
-// C (M x N, ldc) = A (M x K, row-major, lda) B (K x N, ldb), row r written up
-// to whole vectors past its reach: the columns every row needs in whole gemm
-// strips, then each micro-kernel row group's up to its last row's reach. The
-// rest of a row is left unwritten.
+// Products whose row r needs only columns [first + r, reach + r) (causal, a
+// window's two sides), counted from column 0 of the product (either end may
+// be negative or past the end; kOpenFirst leaves the left side open). `valid`
+// of the N columns are real (the rest pad to the vector width); reach >= valid
+// means every row needs every column up to N.
+constexpr int64_t kOpenFirst = -(int64_t(1) << 60);
+
+// C (M x N, ldc) = A (M x K, row-major, lda) B (K x N, ldb), row r written from
+// whole vectors before first + r to whole vectors past its reach: without a
+// left side the columns every row needs in whole gemm strips, then each
+// micro-kernel row group's up to its last row's reach; with one, each row
+// group's own columns. The rest of a row is left unwritten.
 template <typename T>
 void gemm_to_reach(int64_t M, int64_t N, int64_t valid, int64_t reach, int64_t K, const T* a, int64_t lda,
-                   const T* b, int64_t ldb, T* c, int64_t ldc) {
+                   const T* b, int64_t ldb, T* c, int64_t ldc, int64_t first = kOpenFirst) {
   constexpr int64_t VS = Vectorized<T>::size();
   constexpr int64_t kStrip = kGemmVecs * VS;
+  auto end_of = [&](int64_t r0, int64_t rows) {  // the columns rows [r0, r0 + rows) need end here
+    return reach >= valid ? N : std::min(N, round_up(std::clamp<int64_t>(reach + rows - 1 + r0, 0, valid), VS));
+  };
+  if (first + (M - 1) >= VS) {  // some row group starts a vector or more in
+    for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
+      const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
+      const int64_t begin = std::clamp<int64_t>(first + r0, 0, valid) / VS * VS, end = end_of(r0, rows);
+      if (end > begin)
+        gemm<T>(rows, end - begin, K, T(1), a + r0 * lda, lda, 1, b + begin, ldb, false, c + r0 * ldc + begin, ldc);
+    }
+    return;
+  }
   const int64_t full = reach >= valid ? N : std::clamp<int64_t>(reach / kStrip * kStrip, 0, N);
   gemm<T>(M, full, K, T(1), a, lda, 1, b, ldb, false, c, ldc);
   for (int64_t r0 = 0; full < N && r0 < M; r0 += kGemmRows) {
     const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
-    const int64_t cols = std::min(N, round_up(std::clamp<int64_t>(reach + rows - 1 + r0, 0, valid), VS));
+    const int64_t cols = end_of(r0, rows);
     if (cols > full)
       gemm<T>(rows, cols - full, K, T(1), a + r0 * lda, lda, 1, b + full, ldb, false, c + r0 * ldc + full, ldc);
   }
 }
 
 // C (M x N, ldc) += alpha A (M x n, row-major, lda) B (n x N, ldb) where row r of A
-// is 0 past column reach + r: each micro-kernel row group sums only the rows of
-// B up to its last row's reach.
+// is 0 outside columns [first + r, reach + r): each micro-kernel row group sums
+// only the rows of B from its first row's first to its last row's reach.
 template <typename T>
 void gemm_add_to_reach(int64_t M, int64_t N, int64_t n, int64_t reach, T alpha, const T* a, int64_t lda,
-                       const T* b, int64_t ldb, T* c, int64_t ldc) {
-  if (reach >= n) return gemm<T>(M, N, n, alpha, a, lda, 1, b, ldb, true, c, ldc);
+                       const T* b, int64_t ldb, T* c, int64_t ldc, int64_t first = kOpenFirst) {
+  if (reach >= n && first + (M - 1) <= 0) return gemm<T>(M, N, n, alpha, a, lda, 1, b, ldb, true, c, ldc);
   for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
     const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
-    const int64_t keys = std::clamp<int64_t>(reach + rows - 1 + r0, 0, n);
-    if (keys > 0) gemm<T>(rows, N, keys, alpha, a + r0 * lda, lda, 1, b, ldb, true, c + r0 * ldc, ldc);
+    const int64_t end = reach >= n ? n : std::clamp<int64_t>(reach + rows - 1 + r0, 0, n);
+    const int64_t begin = std::clamp<int64_t>(first + r0, 0, end);
+    if (end > begin)
+      gemm<T>(rows, N, end - begin, alpha, a + r0 * lda + begin, lda, 1, b + begin * ldb, ldb, true, c + r0 * ldc,
+              ldc);
   }
 }
 
@@ -905,9 +923,9 @@ class VecForwardProducts {
   // keys [j0, j0 + reach + r) (causal or a window's right side; the driver
   // masks the rest): where a group of micro-kernel rows needs fewer columns
   // than the tile has, its product stops at whole vectors past its last row's
-  // reach and leaves the rest of its rows unwritten. (Keys before first + r, a
-  // window's left side, are computed here; the bfloat16 products skip them too.)
-  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t /*first*/) {
+  // reach and leaves the rest of its rows unwritten; likewise before first + r
+  // (a window's left side).
+  void scores(T* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t first) {
     if (direct_) {  // decoding: read each key row in place
       score_rows_direct(st, ld, n, row_at<scalar_t>(p_->k, p_->k_stride, b, hk, j0));
       return;
@@ -922,7 +940,8 @@ class VecForwardProducts {
         cache_.mark(cache_.k, slot);
       }
       const int64_t w = std::min(panel_, ld - c);  // the last panel's columns up to ld
-      gemm_to_reach<T>(m_, w, std::min(panel_, n - c), reach - c, E_, qt_.data(), E_, kt, panel_, st + c, ld);
+      gemm_to_reach<T>(m_, w, std::min(panel_, n - c), reach - c, E_, qt_.data(), E_, kt, panel_, st + c, ld,
+                       first - c);
     }
   }
 
@@ -932,11 +951,12 @@ class VecForwardProducts {
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n); row r of P is 0
   // past reach + r (scores()), so each row group's product stops at its last row's reach.
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
-              int64_t /*first*/) {
+              int64_t first) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
     if constexpr (std::is_same_v<scalar_t, T>) {
       if (v_direct_ && direct_) return add_pv_rows(ot, Evp_, pt, ld, m_, v_tile, p_->v_stride[2], n, Evp_);
-      if (v_direct_) return gemm_add_to_reach<T>(m_, Evp_, n, reach, T(1), pt, ld, v_tile, p_->v_stride[2], ot, Evp_);
+      if (v_direct_)
+        return gemm_add_to_reach<T>(m_, Evp_, n, reach, T(1), pt, ld, v_tile, p_->v_stride[2], ot, Evp_, first);
     }
     for (int64_t c = 0; c < n; c += panel_) {
       const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
@@ -946,7 +966,8 @@ class VecForwardProducts {
           load_row(vt + j * Evp_, v_tile + (c + j) * p_->v_stride[2], Ev_, p_->v_stride[3], T(1), Evp_);
         cache_.mark(cache_.v, slot);
       }
-      gemm_add_to_reach<T>(m_, Evp_, std::min(panel_, n - c), reach - c, T(1), pt + c, ld, vt, Evp_, ot, Evp_);
+      gemm_add_to_reach<T>(m_, Evp_, std::min(panel_, n - c), reach - c, T(1), pt + c, ld, vt, Evp_, ot, Evp_,
+                           first - c);
     }
   }
 
@@ -1440,14 +1461,13 @@ class VecBackwardProducts {
   }
 
   // The next products take only the first n keys of the loaded block, and row r of
-  // the query block only keys below reach + r (causal, a window's right side):
-  // past them S and dP are left unwritten and the driver makes P and dS 0. (Keys
-  // before first + r, a window's left side, are computed here; the bfloat16
-  // products skip them too.)
-  void narrow(int64_t n, int64_t reach, int64_t /*first*/) {
+  // the query block only keys [first + r, reach + r) (causal, a window's sides):
+  // outside them S and dP are left unwritten and the driver makes P and dS 0.
+  void narrow(int64_t n, int64_t reach, int64_t first) {
     n_ = n;
     np_ = round_up(n, kCols);
     reach_ = reach;
+    first_ = first;
   }
 
   // st (m x np, row stride ld) = (scale Q) K^T.
@@ -1457,25 +1477,28 @@ class VecBackwardProducts {
   // dv (n x Evp) += Z^T dO, Z (m x np).
   void add_dv(T* dv, const T* z) { key_products(dv, Evp_, z, dot_.data(), T(1)); }
   // dq (m x Ep) += scale dS K.
-  void add_dq(T* dq, const T* ds) { gemm_add_to_reach<T>(m_, Ep_, n_, reach_, scale_, ds, ld_, kn_.data(), Ep_, dq, Ep_); }
+  void add_dq(T* dq, const T* ds) {
+    gemm_add_to_reach<T>(m_, Ep_, n_, reach_, scale_, ds, ld_, kn_.data(), Ep_, dq, Ep_, first_);
+  }
   // dk (n x Ep) += dS^T (scale Q).
   void add_dk(T* dk, const T* ds) { key_products(dk, Ep_, ds, qt_.data(), T(1)); }
 
  private:
-  // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld), each row up to its reach.
+  // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld), each row over its band.
   void row_products(T* c, const T* a, int64_t lda, int64_t K, const T* b) {
-    gemm_to_reach<T>(m_, np_, n_, reach_, K, a, lda, b, ld_, c, ld_);
+    gemm_to_reach<T>(m_, np_, n_, reach_, K, a, lda, b, ld_, c, ld_, first_);
   }
 
   // c (n x N) += x^T y for x (m x np, row stride ld), y (m x N): each key group's sum
-  // starts at the first row that sees its first key.
+  // runs from the first row that sees its first key to the last that sees its last.
   void key_products(T* c, int64_t N, const T* x, const T* y, T alpha) {
-    if (reach_ >= n_) return gemm<T>(n_, N, m_, alpha, x, 1, ld_, y, N, true, c, N);
+    if (reach_ >= n_ && first_ + (m_ - 1) <= 0) return gemm<T>(n_, N, m_, alpha, x, 1, ld_, y, N, true, c, N);
     for (int64_t k0 = 0; k0 < n_; k0 += kGemmRows) {
       const int64_t keys = std::min<int64_t>(kGemmRows, n_ - k0);
-      const int64_t first = std::clamp<int64_t>(k0 - reach_ + 1, 0, m_);
-      if (first < m_)
-        gemm<T>(keys, N, m_ - first, alpha, x + first * ld_ + k0, 1, ld_, y + first * N, N, true, c + k0 * N, N);
+      const int64_t begin = std::clamp<int64_t>(k0 - reach_ + 1, 0, m_);
+      const int64_t end = std::clamp<int64_t>(k0 + keys - first_, begin, m_);
+      if (end > begin)
+        gemm<T>(keys, N, end - begin, alpha, x + begin * ld_ + k0, 1, ld_, y + begin * N, N, true, c + k0 * N, N);
     }
   }
 
@@ -1483,7 +1506,7 @@ class VecBackwardProducts {
   const int64_t E_, Ev_, Ep_, Evp_;
   const bool from_probs_;
   const T scale_;
-  int64_t m_ = 0, n_ = 0, np_ = 0, ld_ = 0, reach_ = 0;
+  int64_t m_ = 0, n_ = 0, np_ = 0, ld_ = 0, reach_ = 0, first_ = kOpenFirst;
   std::vector<T> qt_, dot_, kt_, kn_, vt_;
 };
 

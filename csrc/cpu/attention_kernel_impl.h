@@ -949,7 +949,7 @@ class VecForwardProducts {
   void take_p_row(int64_t, const T*, int64_t) {}
 
   // O (m x out_ld()) += P (m x round_up(n, kCols), row stride ld) V[j0, j0 + n); row r of P is 0
-  // past reach + r (scores()), so each row group's product stops at its last row's reach.
+  // outside [first + r, reach + r) (scores()), so each row group's product runs over its band only.
   void add_pv(T* ot, const T* pt, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
               int64_t first) {
     const scalar_t* v_tile = row_at<scalar_t>(p_->v, p_->v_stride, b, hk, j0);
@@ -1067,6 +1067,14 @@ inline KeyRange rows_seeing(const AttnParams& p, int64_t b, KeyRange rows, int64
     }
   }
   return first < 0 ? KeyRange{rows.begin, rows.begin} : KeyRange{first, last + 1};
+}
+
+// A block's band on its left: row i0 + r of a query block sees no key of a
+// tile starting at key j0 before first + r (relative to j0; a window's left
+// side); -m, which bounds none of its m rows, without a window. The products
+// may skip what lies before it (the driver masks it: score_row).
+inline int64_t band_first(const AttnParams& p, int64_t i0, int64_t j0, int64_t m) {
+  return p.window_left >= 0 ? std::max(i0 + p.causal_offset - p.window_left - j0, -m) : -m;
 }
 
 // Key blocks for a window that bounds both sides: the keys a query block sees
@@ -1275,8 +1283,7 @@ void forward_driver(const AttnParams& p) {
         const int64_t n = std::min(kv_block, j_stop - j0);
         const int64_t np = round_up(n, kCols);
         const int64_t reach = right >= 0 ? std::min(n, i0 + right_end - j0) : n;
-        // and none before first + r (a window's left side; score_row masks them, the products may skip them)
-        const int64_t first = ps.window_left >= 0 ? std::max(i0 + ps.causal_offset - ps.window_left - j0, -m) : -m;
+        const int64_t first = band_first(ps, i0, j0, m);  // and none before first + r
         products.scores(st.data(), np, b, hk, j0, n, reach, first);
         for (int64_t r = 0; r < m; ++r) {
           const int64_t i = i0 + r;
@@ -1667,8 +1674,7 @@ void backward_driver(const AttnBwdParams& p) {
             // the keys the block's last row sees (causal, a window's right side): those past them
             // take no product; the tiles keep their row stride np
             const int64_t reach = right >= 0 ? i0 + right_end - j0 : n;  // row i0 + r sees keys below reach + r
-            // and none before first + r (a window's left side)
-            const int64_t first = ps.window_left >= 0 ? std::max(i0 + ps.causal_offset - ps.window_left - j0, -m) : -m;
+            const int64_t first = band_first(ps, i0, j0, m);  // and none before first + r
             const int64_t nq = std::clamp<int64_t>(reach + m - 1, 1, n);
             const int64_t npq = round_up(nq, kCols);
             products.narrow(nq, reach, first);

@@ -40,7 +40,7 @@ struct AttnParams {
   const void* mask = nullptr;         // broadcast to (B, Hq, L, S) through its strides
   int64_t mask_stride[4] = {0, 0, 0, 0};
   // CPU only: the keys that a bool mask hides from every row are left out
-  // (cut_unseen_keys in attention_cpu.cpp). Every row runs on keys [key_begin, S)
+  // (read_bool_mask in attention_cpu.cpp). Every row runs on keys [key_begin, S)
   // at most; with batch_keys set (host memory), batch entry b runs on keys
   // [batch_keys[2 b], batch_keys[2 b + 1]) instead (SequenceViews).
   int64_t key_begin = 0;

@@ -233,11 +233,19 @@ RangeFlags flags_from_ranges(AttnParams& p, const std::vector<int64_t>& rows, co
   return kind;
 }
 
-// keep_keys (attention_probs, which writes every key's probability): no key is
-// cut, and a mask that varies by row is read as its row ranges only, which then
-// always stay beside the flags (they hold the entries' ends that the cut holds
-// otherwise).
-void cut_unseen_keys(AttnParams& p, KeyCut& cut, bool keep_keys = false) {
+// What reading a bool mask may do to the call's keys. Cut: leave out the keys
+// no row sees (key_begin, S, batch_keys). KeepAll (attention_probs, which
+// writes every key's probability): cut none; a mask that varies by row is read
+// as its row ranges and flags only, and the ranges then always stay beside the
+// flags (they hold the entries' ends that the cut holds otherwise).
+enum class KeyUse { Cut, KeepAll };
+
+// Reads a bool mask as what it shows (above): each row's range of keys, the
+// flags those ranges follow, the keys no row sees (cut as `keys` says), and
+// drops the mask where the ranges say all it holds. cut keeps the buffers p
+// then points to.
+void read_bool_mask(AttnParams& p, KeyCut& cut, KeyUse keys = KeyUse::Cut) {
+  const bool keep_keys = keys == KeyUse::KeepAll;
   cut.entries.clear();
   cut.rows.clear();
   const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
@@ -384,7 +392,8 @@ BwdOutputs make_backward_outputs(AttnBwdParams& p, const at::Tensor& query, cons
 std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants, const at::Tensor& query, bool probs,
                                                const std::optional<at::Tensor>& dropout_seed, KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
-  if (cut != nullptr) cut_unseen_keys(p, *cut, /*keep_keys=*/probs);  // after the variants: it may set the flags
+  // after the variants: it may set the flags
+  if (cut != nullptr) read_bool_mask(p, *cut, probs ? KeyUse::KeepAll : KeyUse::Cut);
   auto [result, lse] = make_forward_outputs(p, query, probs);
   advise_huge_pages(result);
   if (lse.numel() == 0) return {result, lse};
@@ -408,7 +417,7 @@ ValueGrads run_value_backward(AttnBwdParams& p, Variants& variants, const at::Te
                               const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask,
                               KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
-  if (cut != nullptr) cut_unseen_keys(p, *cut);
+  if (cut != nullptr) read_bool_mask(p, *cut);
   describe_grad_output(p, grad_out, out, query);
   ValueGrads g;
   g.o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
@@ -504,7 +513,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backw
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   describe_variants(p, variants, query);
   KeyCut cut;
-  cut_unseen_keys(p, cut, /*keep_keys=*/true);  // the forward's row ranges and flags
+  read_bool_mask(p, cut, KeyUse::KeepAll);  // the forward's row ranges and flags
   describe_grad_probs(p, grad_probs, probs, query);
   BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor dsinks = grad_sinks_buffer(p, variants, query);

@@ -42,24 +42,20 @@ ARows a_operand(uint16_t* buf, const Bf16* rows, int64_t ld, int64_t m, int64_t 
 
 // A band of a score tile: row r of a query block sees columns [first + r, reach + r) of the
 // tile's n (the causal bound and a window's two sides, relative to the tile; first <= -r and
-// reach >= n - r leave that side open). Products over a band skip the blocks of rows and
-// columns no row of theirs sees: the columns rows [r0, r1) see, and the rows that see
-// columns [c0, c1), both widened to multiples of `align` and kept within round_up(n or m, align).
-struct Span {
-  int64_t begin, end;
-};
-constexpr int64_t kOpen = int64_t(1) << 60;  // a reach (or -first) that leaves its side of the band open
-
-Span band_columns(int64_t first, int64_t reach, int64_t r0, int64_t r1, int64_t n, int64_t align) {
+// reach >= n - r leave that side open; kOpenFirst and -kOpenFirst always do). Products over
+// a band skip the blocks of rows and columns no row of theirs sees: the columns rows
+// [r0, r1) see, and the rows that see columns [c0, c1), both widened to multiples of
+// `align` and kept within round_up(n or m, align).
+KeyRange band_columns(int64_t first, int64_t reach, int64_t r0, int64_t r1, int64_t n, int64_t align) {
   const int64_t begin = std::clamp<int64_t>(first + r0, 0, n) / align * align;
   const int64_t end = round_up(std::clamp<int64_t>(reach + r1 - 1, 0, n), align);
-  return Span{begin, std::max(begin, end)};
+  return KeyRange{begin, std::max(begin, end)};
 }
 
-Span band_rows(int64_t first, int64_t reach, int64_t c0, int64_t c1, int64_t m, int64_t align) {
+KeyRange band_rows(int64_t first, int64_t reach, int64_t c0, int64_t c1, int64_t m, int64_t align) {
   const int64_t begin = std::clamp<int64_t>(c0 - reach + 1, 0, m) / align * align;
   const int64_t end = round_up(std::clamp<int64_t>(c1 - first, 0, m), align);
-  return Span{begin, std::max(begin, end)};
+  return KeyRange{begin, std::max(begin, end)};
 }
 
 // The products' two engines: one interface (amx::gemm's), with its per-thread set-up.
@@ -137,7 +133,7 @@ class Bf16ForwardProducts {
       const int64_t c_end = std::min(c + panel_, ld);  // the last panel's columns up to ld
       for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
         const int64_t rows = std::min(kBand, mp_ - r0);
-        const Span band = band_columns(first, reach, r0, r0 + rows, n, 16);
+        const KeyRange band = band_columns(first, reach, r0, r0 + rows, n, 16);
         const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
         if (end > begin)
           Engine::gemm(rows, end - begin, Ep_, q_.data + r0 * q_.ld, q_.ld, kv + 2 * (begin - c), 2 * panel_,
@@ -168,7 +164,7 @@ class Bf16ForwardProducts {
       const int64_t c_end = std::min(c + panel_, n32);
       for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
         const int64_t rows = std::min(kBand, mp_ - r0);
-        const Span band = band_columns(first, reach, r0, r0 + rows, n, 32);
+        const KeyRange band = band_columns(first, reach, r0, r0 + rows, n, 32);
         const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
         if (end > begin)
           Engine::gemm(rows, Evp_, end - begin, pa_.data() + r0 * n32 + begin, n32, vv + (begin - c) * Evp_,
@@ -282,7 +278,7 @@ class Bf16BackwardProducts {
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    narrow(n, kOpen, -kOpen);
+    narrow(n, -kOpenFirst, kOpenFirst);  // both sides open
     ld16_ = n16_;  // the row stride of the driver's score tiles
     const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
     amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
@@ -332,7 +328,7 @@ class Bf16BackwardProducts {
     zero_rows(d_a_.data(), n32_, m_, m16_);
     for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
       const int64_t rows = std::min(kBand, m16_ - r0);
-      const Span keys = band_columns(first_, reach_, r0, r0 + rows, n_, 32);
+      const KeyRange keys = band_columns(first_, reach_, r0, r0 + rows, n_, 32);
       if (keys.end > keys.begin)
         Engine::gemm(rows, Ep16_, keys.end - keys.begin, d_a_.data() + r0 * n32_ + keys.begin, n32_,
                      k_r_.data() + keys.begin * Ep16_, 2 * Ep16_, dq + r0 * Ep16_, Ep16_, true);
@@ -352,7 +348,7 @@ class Bf16BackwardProducts {
   void band_products(float* c, ARows a, int64_t K, const uint16_t* bv) {
     for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
       const int64_t rows = std::min(kBand, m16_ - r0);
-      const Span cols = band_columns(first_, reach_, r0, r0 + rows, n_, 16);
+      const KeyRange cols = band_columns(first_, reach_, r0, r0 + rows, n_, 16);
       if (cols.end > cols.begin)
         Engine::gemm(rows, cols.end - cols.begin, K, a.data + r0 * a.ld, a.ld, bv + 2 * cols.begin, 2 * kv_block_,
                      c + r0 * ld16_ + cols.begin, ld16_, false);
@@ -364,7 +360,7 @@ class Bf16BackwardProducts {
   void key_products(float* c, int64_t N, const uint16_t* y) {
     for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
       const int64_t keys = std::min(kBand, n16_ - c0);
-      const Span rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
+      const KeyRange rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
       if (rows.end > rows.begin)
         Engine::gemm(keys, N, rows.end - rows.begin, t_a_.data() + c0 * m32_ + rows.begin, m32_,
                      y + rows.begin * N, 2 * N, c + c0 * N, N, true);

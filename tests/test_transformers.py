@@ -12,6 +12,10 @@ is loaded into a model per attn_implementation ("eager", "sdpa", "attn_ext"), an
   encoder), gpt-oss (sinks, sliding window; no sdpa: sdpa takes no sinks);
 - every attention layer ran attn_ext's kernel (forward and backward), on the key/value
   heads as they come (no repeat_kv);
+- a bfloat16 model is as close to its float64 self as with torch's own attention
+  (within BF16_FACTOR x torch's error + BF16_FLOOR, logits and gradients);
+- these, generate() and the packed batch also on CUDA when there is a GPU (the
+  ``device`` fixture of conftest.py);
 - greedy cached generate() (DynamicCache and StaticCache) gives eager's tokens and
   logits, left-padded batch;
 - a padding-free packed batch (position_ids restarting at 0, no attention_mask,
@@ -138,8 +142,9 @@ def _kv_heads(kind):
     return 4 if kind in ("gpt2", "bert") else KV_HEADS
 
 
-def _build(kind, impl, dtype=torch.float32, state=None, dropout=0.0):
-    """``kind``'s tiny model with ``attn_implementation=impl``, in eval mode and ``dtype``.
+def _build(kind, impl, dtype=torch.float32, state=None, dropout=0.0, device="cpu"):
+    """``kind``'s tiny model with ``attn_implementation=impl``, in eval mode, ``dtype``
+    and on ``device``.
 
     The weights come from torch.manual_seed(0) (gpt-oss's sinks then redrawn with std 1,
     so that they matter), or from ``state`` (another model's state_dict)."""
@@ -156,17 +161,17 @@ def _build(kind, impl, dtype=torch.float32, state=None, dropout=0.0):
             for layer in model.model.layers:
                 layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen))
     assert model.config._attn_implementation == impl
-    return model.to(dtype).eval()
+    return model.to(device=device, dtype=dtype).eval()
 
 
-def _models(kind, dtype, impls=("eager", "sdpa", ATTN_EXT)):
+def _models(kind, dtype, impls=("eager", "sdpa", ATTN_EXT), device="cpu"):
     """{impl: model}, the same weights in each (sdpa left out for NO_SDPA kinds)."""
-    base = _build(kind, impls[0], dtype)
+    base = _build(kind, impls[0], dtype, device=device)
     models = {impls[0]: base}
     for impl in impls[1:]:
         if impl == "sdpa" and kind in NO_SDPA:
             continue
-        models[impl] = _build(kind, impl, dtype, state=base.state_dict())
+        models[impl] = _build(kind, impl, dtype, state=base.state_dict(), device=device)
     return models
 
 
@@ -270,7 +275,7 @@ def _logits_and_grads(model, dtype, ids, mask, loss_weights, real, **kwargs):
     model.zero_grad(set_to_none=True)
     with _context(model.config._attn_implementation, dtype):
         logits = model(input_ids=ids, attention_mask=mask, **kwargs).logits
-        loss = (logits * loss_weights.to(dtype) * real[..., None].to(dtype)).sum()
+        loss = (logits * loss_weights.to(logits.device, dtype) * real[..., None].to(logits.device, dtype)).sum()
         names, params = zip(*model.named_parameters())
         grads = torch.autograd.grad(loss, params, allow_unused=True)
     return logits.detach(), dict(zip(names, grads))
@@ -282,17 +287,18 @@ def _logits_and_grads(model, dtype, ids, mask, loss_weights, real, **kwargs):
 @pytest.mark.parametrize("padding", ["none", "left", "right"])
 @dtypes
 @pytest.mark.parametrize("kind", KINDS)
-def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding):
+def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding, device):
     """attn_ext's logits at the real positions and every parameter's gradient (of a loss
     over the real positions) equal eager's and sdpa's with the same weights, without
     padding and with left / right padding (an attention_mask row with 5 zeros); each
     layer ran attn_ext's forward and backward kernels once, with the model's key/value
     heads (grouped-query attention without repeat_kv), and no (B, 1, L, S) mask: the
-    causal flag, the window and at most a key-padding vector."""
-    models = _models(kind, dtype)
-    ids = _tokens(2, LENGTH, seed=1)
-    mask = None if padding == "none" else _padding_mask(padding)
-    real = torch.ones(2, LENGTH, dtype=torch.bool) if mask is None else mask.bool()
+    causal flag, the window and at most a key-padding vector. On CUDA too (float32
+    there is IEEE float32 in eager's and sdpa's products: torch's default)."""
+    models = _models(kind, dtype, device=device)
+    ids = _tokens(2, LENGTH, seed=1).to(device)
+    mask = None if padding == "none" else _padding_mask(padding).to(device)
+    real = torch.ones(2, LENGTH, dtype=torch.bool, device=device) if mask is None else mask.bool()
     weights = torch.randn(2, LENGTH, VOCAB, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
 
     results = {}
@@ -307,6 +313,7 @@ def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding):
     assert ops.count("attention_backward") == LAYERS, [n for n, _ in ops.calls]
     for a in ops.args("attention_forward"):
         q, k, v = a["query"], a["key"], a["value"]
+        assert q.device.type == device, (q.device, device)
         assert q.shape[1] == 4 and k.shape[1] == v.shape[1] == _kv_heads(kind), (q.shape, k.shape)
         m = a["attn_mask"]
         assert m is None or (m.dtype == torch.bool and m.shape[-2] == 1), (m.dtype, m.shape)
@@ -319,12 +326,67 @@ def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding):
         _assert_grads_close(f"vs {ref}", grads, ref_grads, tol)
 
 
+def _relative_errors(got, ref):
+    """{tensor name: max |got - ref| / max |ref|} for the logits and every parameter's
+    gradient, a gradient's scale floored at GRAD_SCALE_FLOOR x the largest (the
+    docstring's measure)."""
+    (logits, grads), (ref_logits, ref_grads) = got, ref
+    err, scale = _max_err(logits, ref_logits)
+    errors = {"logits": err / scale}
+    largest = max(g.abs().max().item() for g in ref_grads.values() if g is not None)
+    for name, g_ref in ref_grads.items():
+        if g_ref is not None:
+            err, scale = _max_err(grads[name], g_ref)
+            errors[name] = err / max(scale, GRAD_SCALE_FLOOR * largest)
+    return errors
+
+
+# attn_ext's bfloat16 error may be this many times torch's own attention's, plus BF16_FLOOR
+BF16_FACTOR, BF16_FLOOR = 2.0, 1e-3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_model_is_as_accurate_as_torchs_attention(kind, device):
+    """A bfloat16 model (left-padded batch, every layer bfloat16) run with attn_ext is
+    as close to the same weights in float64 (eager) as the bfloat16 model run with
+    torch's own attention (sdpa; eager for the NO_SDPA kinds): on the logits at the
+    real positions, and on the worst parameter gradient, attn_ext's relative error is
+    at most BF16_FACTOR x torch's + BF16_FLOOR. The float64 model holds the bfloat16
+    weights exactly, so the errors are the bfloat16 arithmetic's alone."""
+    torch_impl = "eager" if kind in NO_SDPA else "sdpa"
+    models = _models(kind, torch.bfloat16, impls=(torch_impl, ATTN_EXT), device=device)
+    exact = _build(kind, "eager", torch.float64, state=models[torch_impl].state_dict(), device=device)
+    ids = _tokens(2, LENGTH, seed=11).to(device)
+    mask = _padding_mask("left").to(device)
+    real = mask.bool()
+    weights = torch.randn(2, LENGTH, VOCAB, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+
+    def run(model, dtype):
+        logits, grads = _logits_and_grads(model, dtype, ids, mask, weights, real)
+        return logits[real], grads
+
+    ref = run(exact, torch.float64)
+    with _AttnExtOps() as ops:
+        ours = _relative_errors(run(models[ATTN_EXT], torch.bfloat16), ref)
+    assert ops.count("attention_forward") == ops.count("attention_backward") == LAYERS, [n for n, _ in ops.calls]
+    theirs = _relative_errors(run(models[torch_impl], torch.bfloat16), ref)
+    worst = {who: max((e, n) for n, e in errs.items() if n != "logits") for who, errs in
+             (("ours", ours), ("theirs", theirs))}
+    report = (f"{kind} on {device}: logits {ours['logits']:.2e} (torch's {torch_impl}: {theirs['logits']:.2e}); "
+              f"worst gradient {worst['ours'][0]:.2e} ({worst['ours'][1]}) (torch's: {worst['theirs'][0]:.2e} "
+              f"({worst['theirs'][1]}))")
+    assert ours["logits"] <= BF16_FACTOR * theirs["logits"] + BF16_FLOOR, report
+    assert worst["ours"][0] <= BF16_FACTOR * worst["theirs"][0] + BF16_FLOOR, report
+    # both are bfloat16-accurate, not exact: the comparison measures something
+    assert theirs["logits"] > 1e-5 and worst["theirs"][0] > 1e-5, report
+
+
 # --------------------------------------------------------------------------- generate
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 @pytest.mark.parametrize("kind", DECODERS)
-def test_greedy_generate_matches_eager(kind, cache):
+def test_greedy_generate_matches_eager(kind, cache, device):
     """Greedy cached generate() on a left-padded batch (prompt 10 tokens, 8 new: past
     the window of 4) gives eager's tokens, and the logits of every step equal eager's
     (float32 tolerance); attn_ext ran every layer of every step. "dynamic" is the
@@ -335,8 +397,8 @@ def test_greedy_generate_matches_eager(kind, cache):
     new = 8
     ids = _tokens(2, 10, seed=3)
     mask = _padding_mask("left", length=10, pad=4)
-    ids = ids.masked_fill(mask == 0, 0)
-    models = _models(kind, torch.float32, impls=("eager", ATTN_EXT))
+    ids, mask = ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+    models = _models(kind, torch.float32, impls=("eager", ATTN_EXT), device=device)
     extra = dict(cache_implementation="static") if cache == "static" else {}
     outs = {}
     for impl, model in models.items():
@@ -351,6 +413,7 @@ def test_greedy_generate_matches_eager(kind, cache):
                 m, written = a["attn_mask"], 10 + call // LAYERS
                 assert m is None or (m.dtype == torch.bool and m.shape[-2] == 1), (call, m.dtype, m.shape)
                 assert a["key"].shape[-2] <= written, (call, tuple(a["key"].shape), written)
+                assert a["key"].device.type == device, (call, a["key"].device)
         else:
             assert not ops.calls
     got, ref = outs[ATTN_EXT], outs["eager"]
@@ -370,7 +433,7 @@ PACKED_KINDS = ["llama", "mistral", "gemma2",
 
 @pytest.mark.parametrize("use_cache", ["default", "false"])
 @pytest.mark.parametrize("kind", PACKED_KINDS)
-def test_packed_batch_runs_varlen_and_equals_each_sequence_alone(kind, use_cache):
+def test_packed_batch_runs_varlen_and_equals_each_sequence_alone(kind, use_cache, device):
     """Sequences of 5, 7 and 4 tokens packed into one row (batch 1, position_ids
     restarting at 0, no attention_mask) through attn_ext: the logits equal each
     sequence run alone (eager) and the parameters' gradients equal the sum of the
@@ -383,9 +446,9 @@ def test_packed_batch_runs_varlen_and_equals_each_sequence_alone(kind, use_cache
     sequences and hands the mask function a packed-sequence mask pattern."""
     lengths = [5, 7, 4]
     total = sum(lengths)
-    models = _models(kind, torch.float32, impls=("eager", ATTN_EXT))
-    ids = _tokens(1, total, seed=4)
-    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    models = _models(kind, torch.float32, impls=("eager", ATTN_EXT), device=device)
+    ids = _tokens(1, total, seed=4).to(device)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(device)
     weights = torch.randn(1, total, VOCAB, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     everywhere = torch.ones(1, total, dtype=torch.bool)
     extra = dict(use_cache=False) if use_cache == "false" else {}
@@ -400,6 +463,7 @@ def test_packed_batch_runs_varlen_and_equals_each_sequence_alone(kind, use_cache
         q, k, cu = a["query"], a["key"], a["cu_seqlens_q"]
         assert cu.tolist() == [0, 5, 12, 16] and a["cu_seqlens_k"].tolist() == [0, 5, 12, 16], cu
         assert q.shape[1] == 4 and k.shape[1] == KV_HEADS, (q.shape, k.shape)
+        assert q.device.type == device, (q.device, device)
 
     start, ref_logits, ref_grads = 0, [], None
     for n in lengths:

@@ -9,8 +9,9 @@ The CUDA kernels and what selects them (csrc/cuda/attention_cuda.cpp):
   by at most 1024 / 512 query rows) or long ones;
 - generic: float32, float64, and the half dtypes where the tensor cores do not apply
   (another head dim, softcap, ALiBi, sinks); dropout; masks; causal alignments;
-- split-KV (generic, float32/bfloat16/float16): calls whose tasks leave most SMs idle,
-  such as a decoding step over a long cache;
+- split-KV (float32/bfloat16/float16): a decoding step (at most 8 query rows per
+  key/value head) on the decode kernel, with any number of key ranges; other calls
+  whose tasks leave most SMs idle on the generic tile kernel;
 - the explicit probabilities and packed batches (generic) are in
   `VARLEN_AND_PROBS`.
 On the CPU the same cases run the kernels attn_ext picks there (cheap; it keeps this
@@ -72,7 +73,8 @@ def _generic_cases():
 
 
 def _split_kv_cases():
-    # Two query heads of one or three rows against 1100 keys: 4 splits of 320 keys on a GPU
+    # Two query heads of one to three rows against 1100 keys: the decode kernel, 5 key
+    # ranges of 224 keys on an H200; 12 rows: the tile kernel, 4 ranges of 320 keys
     base = dict(_BASE, E=64, Ev=64, S=1100)
     return {
         "split-kv-float32-decode": dict(base, dtype=torch.float32, L=1),
@@ -81,6 +83,9 @@ def _split_kv_cases():
             sinks=True),
         "split-kv-float16-float-mask-softcap-alibi": dict(base, dtype=torch.float16, L=2, mask=("float", [1, 2, 2, 1100]),
                                                           softcap=30.0, alibi="batch_heads"),
+        # 2 heads x 12 rows per key/value head: more than the decode kernel takes, the tile kernel splits
+        "split-kv-bfloat16-rows-on-tiles": dict(base, dtype=torch.bfloat16, L=12, is_causal=True,
+                                                causal_alignment="bottom_right"),
     }
 
 

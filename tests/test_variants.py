@@ -313,7 +313,9 @@ def test_tensor_core_window_forward_and_grads_match_reference(device, case, dtyp
 # idle, so the CPU forward splits each task's keys among them and merges the
 # partial results through the log-sum-exp (4 threads here: 2-3 splits of up to
 # 512-key tiles). On CUDA the same cases leave most SMs idle and split too
-# (float32 and bfloat16 alike, on the generic kernels: kernels.h, SplitKV).
+# (float32 and bfloat16 alike: kernels.h, SplitKV), on the decode kernel where a
+# key/value head has at most 8 query rows and its K rows are read 16 bytes at a
+# time, else on the generic tile kernel.
 SPLIT_KV_CASES = {
     "decode": dict(B=1, Hq=1, L=1, S=3000, E=64, Ev=64),
     "causal_bottom_right_rows": dict(B=1, Hq=1, L=3, S=3000, E=64, Ev=64, is_causal=True,
@@ -326,6 +328,13 @@ SPLIT_KV_CASES = {
     # 40 rows: bfloat16 takes the AMX products (16+ rows) on the amx variant
     "chunk_of_rows_causal": dict(B=1, Hq=1, L=40, S=3000, E=64, Ev=64, is_causal=True,
                                  causal_alignment="bottom_right"),
+    # CUDA's decode kernel (at most 8 rows per key/value head): a group of 8 query
+    # heads, 4 heads x 2 rows at head dim 256, value columns unlike the keys'
+    "gqa_group_of_eight": dict(B=2, Hq=16, Hkv=2, L=1, S=2500, E=128, Ev=128),
+    "two_rows_gqa_head_dim_256": dict(B=1, Hq=8, Hkv=2, L=2, S=1500, E=256, Ev=200, is_causal=True,
+                                      causal_alignment="bottom_right"),
+    # the head dim strided: K rows the decode kernel cannot read 16 bytes at a time
+    "strided_head_dim": dict(B=1, Hq=2, Hkv=1, L=1, S=2000, E=64, Ev=64, layout="strided_last"),
 }
 
 
@@ -356,8 +365,11 @@ def test_cuda_splits_the_keys_where_the_tasks_leave_sms_idle(device):
     q, k, v, _, _ = _case("decode", torch.float64, device, seed=13, cfg=SPLIT_KV_CASES["decode"])
     assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # float64 never splits
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    q, k, v, _, _ = _case("decode", torch.float32, device, seed=13, cfg=dict(B=sms, Hq=1, L=1, S=3000, E=64, Ev=64))
-    assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # a task per SM: nothing idle
+    # the decode kernel aims at four blocks per SM; the tile kernel splits while half the SMs are idle
+    q, k, v, _, _ = _case("decode", torch.float32, device, seed=13, cfg=dict(B=4 * sms, Hq=1, L=1, S=1000, E=64, Ev=64))
+    assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # four decode blocks per SM: nothing idle
+    q, k, v, _, _ = _case("decode", torch.float32, device, seed=13, cfg=dict(B=sms, Hq=1, L=9, S=1000, E=64, Ev=64))
+    assert torch.ops.attn_ext.split_kv_splits(q, k, v) == 1  # 9 rows: a tile task per SM, nothing idle
 
 
 def test_split_kv_over_batch_entries_cut_apart(device, four_threads):

@@ -38,13 +38,14 @@ const char* tensor_core_reason_for(const AttnParams& p) {
   return cuda::tensor_core_unsupported(p, prop->major, prop->minor, static_cast<int>(prop->sharedMemPerBlockOptin));
 }
 
-// A call that leaves most SMs idle (a decoding step) splits its keys on the
-// generic kernels (kernels.h: SplitKV); the others run on the tensor cores
-// when they can, else on the generic kernels.
+// A decoding step (a few query rows per key/value head) runs on the decode
+// kernel, and a call that leaves most SMs idle splits its keys on the generic
+// kernels (kernels.h: SplitKV); the others run on the tensor cores when they
+// can, else on the generic kernels.
 void launch_forward(const AttnParams& p) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::SplitKV split = cuda::split_kv_plan(p, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  if (split.n_splits > 1) {
+  if (split.n_splits > 1 || split.decode) {
     // The partial rows live until the merge kernel has run: the caching
     // allocator hands their memory out again only behind it on this stream.
     const auto options = at::TensorOptions()

@@ -234,44 +234,48 @@ __device__ __forceinline__ void product_tile(T (&acc)[GenericTiles<T>::kRows][4]
   }
 }
 
-// Raw dot products -> scores, in DESIGN.md's order: s * scale, then the
+// One raw dot product -> its score, in DESIGN.md's order: s * scale, then the
 // softcap (cap * tanh(s / cap); t keeps the tanh for the backward), minus the
 // ALiBi bias slope * |pos - j|, plus the additive mask; -inf where the bool
-// mask says no and outside the row's visible keys (causal bound, window, the
-// keys that exist). Rows past L see no key.
+// mask says no and outside `keys`, row i's visible keys (causal bound, window,
+// the keys that exist). mask_row: the mask's offset of row (b, h, i).
+template <typename T, typename scalar_t>
+__device__ __forceinline__ T score_at(const AttnParams& p, T raw, T& t, int64_t i, int64_t j, T slope,
+                                      const KeyRange& keys, int64_t mask_row) {
+  T x = raw * static_cast<T>(p.scale);
+  t = T(0);
+  if (p.softcap > 0.0) {
+    t = acc_tanh(x * static_cast<T>(1.0 / p.softcap));
+    x = static_cast<T>(p.softcap) * t;
+  }
+  if (p.alibi != nullptr) x -= slope * abs(static_cast<T>(i + p.causal_offset - j));
+  if (j < keys.begin || j >= keys.end) return neg_inf<T>();
+  if (p.mask_kind == MaskKind::Additive) return x + to_acc(static_cast<const scalar_t*>(p.mask)[mask_row + j * p.mask_stride[3]]);
+  if (p.mask_kind == MaskKind::Bool && !static_cast<const bool*>(p.mask)[mask_row + j * p.mask_stride[3]])
+    return neg_inf<T>();
+  return x;
+}
+
+// The ALiBi slope of query head h of batch entry b (0 without ALiBi).
+template <typename T>
+__device__ __forceinline__ T alibi_slope(const AttnParams& p, int64_t b, int64_t h) {
+  return p.alibi != nullptr ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h]) : T(0);
+}
+
+// The score tile's raw dot products -> scores (score_at). Rows past L see no key.
 template <typename T, typename scalar_t>
 __device__ __forceinline__ void mask_scores(T (&s)[GenericTiles<T>::kRows][4], T (&t)[GenericTiles<T>::kRows][4],
                                             const AttnParams& p, int64_t b, int64_t h, int64_t i0, int64_t j0, int ty,
                                             int tx) {
   using C = GenericTiles<T>;
-  const T scale = static_cast<T>(p.scale);
-  const bool softcap = p.softcap > 0.0;
-  const T cap = static_cast<T>(p.softcap), inv_cap = softcap ? static_cast<T>(1.0 / p.softcap) : T(0);
-  const T slope = p.alibi != nullptr ? static_cast<T>(p.alibi[b * p.alibi_stride_b + h]) : T(0);
+  const T slope = alibi_slope<T>(p, b, h);
 #pragma unroll
   for (int r = 0; r < C::kRows; ++r) {
     const int64_t i = i0 + ty + C::kTy * r;
     const KeyRange keys = i < p.L ? visible_key_range(p, i) : KeyRange{0, 0};
     const int64_t mask_row = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int64_t j = j0 + 4 * tx + c;
-      T x = s[r][c] * scale;
-      t[r][c] = T(0);
-      if (softcap) {
-        t[r][c] = acc_tanh(x * inv_cap);
-        x = cap * t[r][c];
-      }
-      if (p.alibi != nullptr) x -= slope * abs(static_cast<T>(i + p.causal_offset - j));
-      if (j < keys.begin || j >= keys.end) {
-        x = neg_inf<T>();
-      } else if (p.mask_kind == MaskKind::Additive) {
-        x += to_acc(static_cast<const scalar_t*>(p.mask)[mask_row + j * p.mask_stride[3]]);
-      } else if (p.mask_kind == MaskKind::Bool) {
-        if (!static_cast<const bool*>(p.mask)[mask_row + j * p.mask_stride[3]]) x = neg_inf<T>();
-      }
-      s[r][c] = x;
-    }
+    for (int c = 0; c < 4; ++c) s[r][c] = score_at<T, scalar_t>(p, s[r][c], t[r][c], i, j0 + 4 * tx + c, slope, keys, mask_row);
   }
 }
 
@@ -580,6 +584,197 @@ __global__ void __launch_bounds__(GenericTiles<acc_t<scalar_t>>::kThreads)
         if (ml[2 * at + 1] > T(0)) acc += o_part[at * p.Ev + e] * acc_exp(ml[2 * at] - mx);
       }
       out[e * p.o_stride[3]] = from_acc<scalar_t>(keys_l > T(0) ? acc / l : (nan ? l : T(0)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Decode: split-KV for calls with a few query rows per key/value head (a
+// decoding step; kernels.h: SplitKV::decode). The tile kernel above would
+// spend a 32-row tile on each of them; here one block per (b, kv head, key
+// range) takes the group's query heads x the L rows together (at most
+// kDecodeRows), so each K and V row is read once for all of them.
+//   Scores: each warp takes key tiles of 32, lane l key j0 + l: its K row is
+//   read 16 bytes at a time (the head dim contiguous), the rows' Q broadcast
+//   from shared memory; the online softmax then runs across the lanes.
+//   P V: the lanes take the value columns lane + 32 c, each key's p reaches
+//   them by a shuffle; a tile's products are summed apart, then added to O
+//   (one rounding of O per tile, as in forward_kernel).
+//   The four warps' (m, l, O) are joined through shared memory into the key
+//   range's partial rows, which split_kv_merge_kernel joins into out and lse.
+// ---------------------------------------------------------------------------
+constexpr int kDecodeRows = 8, kDecodeWarps = 4, kDecodeMaxDim = 256;
+
+struct DecodeSmem {
+  float q[kDecodeRows][kDecodeMaxDim];                 // the rows' queries, float
+  float m[kDecodeWarps][kDecodeRows], l[kDecodeWarps][kDecodeRows];
+  float o[kDecodeWarps][kDecodeRows][kDecodeMaxDim];  // each warp's O rows, relative to its m
+};
+
+// 16 bytes of a contiguous row (16-byte aligned) as floats.
+template <typename scalar_t>
+__device__ __forceinline__ void load16(const scalar_t* ptr, float (&out)[16 / sizeof(scalar_t)]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(ptr));
+  const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+  for (int t = 0; t < static_cast<int>(16 / sizeof(scalar_t)); ++t) out[t] = to_acc(e[t]);
+}
+
+// kCols: value columns per lane (Ev <= 32 kCols).
+template <typename scalar_t, int kCols>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    decode_kernel(const __grid_constant__ AttnParams p, const __grid_constant__ SplitKV split) {
+  static_assert(std::is_same_v<acc_t<scalar_t>, float>, "the decode kernel computes in float");
+  constexpr int kVec = 16 / sizeof(scalar_t);  // K elements per load
+  constexpr int R = kDecodeRows;
+  __shared__ DecodeSmem sm;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int64_t group = p.Hq / p.Hkv;
+  const int rows = static_cast<int>(group * p.L);  // row r: query head hk * group + r / L, row r % L
+  const int64_t n_rows = p.B * p.Hq * p.L, sp = blockIdx.y;
+  const int64_t split_begin = sp * split.keys_per_split, split_end = std::min(p.S, split_begin + split.keys_per_split);
+
+  for (int64_t task = blockIdx.x; task < p.B * p.Hkv; task += gridDim.x) {
+    const int64_t b = task / p.Hkv, hk = task % p.Hkv;
+    __syncthreads();  // the previous task is done with sm
+    for (int idx = threadIdx.x; idx < rows * p.E; idx += kDecodeWarps * 32) {
+      const int r = idx / static_cast<int>(p.E), d = idx % static_cast<int>(p.E);
+      const int64_t h = hk * group + r / p.L, i = r % p.L;
+      sm.q[r][d] = to_acc(static_cast<const scalar_t*>(p.q)[b * p.q_stride[0] + h * p.q_stride[1] +
+                                                            i * p.q_stride[2] + d * p.q_stride[3]]);
+    }
+    __syncthreads();
+
+    // The keys some row sees (both ends grow with the row), within this range.
+    const int64_t lo = std::max(split_begin, visible_key_range(p, 0).begin);
+    const int64_t hi = std::min(split_end, visible_key_range(p, p.L - 1).end);
+    const scalar_t* k = static_cast<const scalar_t*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+    const scalar_t* v = static_cast<const scalar_t*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+    float m[R], l[R], o[R][kCols];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      m[r] = neg_inf<float>();
+      l[r] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) o[r][c] = 0.0f;
+    }
+
+    for (int64_t j0 = lo + 32 * warp; j0 < hi; j0 += 32 * kDecodeWarps) {
+      const int64_t j = j0 + lane;
+      float s[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) s[r] = 0.0f;
+      if (j < hi) {
+        const scalar_t* key = k + j * p.k_stride[2];
+        for (int d0 = 0; d0 < p.E; d0 += kVec) {
+          float kv[kVec];
+          load16(key + d0, kv);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (r >= rows) break;
+#pragma unroll
+            for (int t = 0; t < kVec; ++t) s[r] = fmaf(sm.q[r][d0 + t], kv[t], s[r]);
+          }
+        }
+      }
+
+      // Scores and the online softmax of each row: s becomes the lane's key's p.
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (r >= rows) break;
+        const int64_t h = hk * group + r / p.L, i = r % p.L;
+        float unused_tanh;
+        const int64_t mask_row = b * p.mask_stride[0] + h * p.mask_stride[1] + i * p.mask_stride[2];
+        const float x = j < hi ? score_at<float, scalar_t>(p, s[r], unused_tanh, i, j, alibi_slope<float>(p, b, h),
+                                                           visible_key_range(p, i), mask_row)
+                               : neg_inf<float>();
+        const float m_new = max(m[r], group_max<32>(x));
+        float correction = 1.0f, sum;
+        if (m_new == neg_inf<float>()) {  // no visible key in this row yet, or NaN scores only
+          s[r] = 0.0f;
+          sum = __any_sync(0xffffffffu, isnan(x)) ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+        } else {
+          correction = acc_exp(m[r] - m_new);  // 0 while m is -inf
+          s[r] = acc_exp(x - m_new);           // -inf scores give 0
+          sum = group_sum<32>(s[r]);
+        }
+        l[r] = l[r] * correction + sum;
+        m[r] = m_new;
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) o[r][c] *= correction;
+      }
+
+      // O += P V over the tile's keys, summed apart first.
+      float pv[R][kCols];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) pv[r][c] = 0.0f;
+      const int n_keys = static_cast<int>(std::min<int64_t>(32, hi - j0));
+#pragma unroll 4
+      for (int kk = 0; kk < n_keys; ++kk) {
+        const scalar_t* value = v + (j0 + kk) * p.v_stride[2];
+        float vv[kCols];
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) {
+          const int64_t col = lane + 32 * c;
+          vv[c] = col < p.Ev ? to_acc(value[col * p.v_stride[3]]) : 0.0f;
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (r >= rows) break;
+          const float pk = __shfl_sync(0xffffffffu, s[r], kk);
+#pragma unroll
+          for (int c = 0; c < kCols; ++c) pv[r][c] = fmaf(pk, vv[c], pv[r][c]);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < kCols; ++c) o[r][c] += pv[r][c];
+    }
+
+    // Join the warps: each row's m is the largest of the warps that saw a key.
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if (r >= rows) break;
+      if (lane == 0) {
+        sm.m[warp][r] = m[r];
+        sm.l[warp][r] = l[r];
+      }
+#pragma unroll
+      for (int c = 0; c < kCols; ++c)
+        if (lane + 32 * c < p.Ev) sm.o[warp][r][lane + 32 * c] = o[r][c];
+    }
+    __syncthreads();
+    float* ml = static_cast<float*>(split.ml_part);
+    float* o_part = static_cast<float*>(split.o_part);
+    const int64_t cols = std::max<int64_t>(p.Ev, 1);  // one thread per row writes m, l even when Ev == 0
+    for (int64_t idx = threadIdx.x; idx < rows * cols; idx += kDecodeWarps * 32) {
+      const int r = static_cast<int>(idx / cols), col = static_cast<int>(idx % cols);
+      float mx = neg_inf<float>(), sum = 0.0f, acc = 0.0f;
+      bool nan = false;
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        nan = nan || isnan(sm.l[w][r]);
+        if (sm.l[w][r] > 0.0f) mx = max(mx, sm.m[w][r]);
+      }
+#pragma unroll
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        if (sm.l[w][r] > 0.0f) {
+          const float f = acc_exp(sm.m[w][r] - mx);
+          sum += sm.l[w][r] * f;
+          if (col < p.Ev) acc += sm.o[w][r][col] * f;
+        }
+      }
+      const int64_t h = hk * group + r / p.L, i = r % p.L;
+      const int64_t row = sp * n_rows + (b * p.Hq + h) * p.L + i;
+      if (col == 0) {
+        ml[2 * row] = mx;
+        ml[2 * row + 1] = nan ? std::numeric_limits<float>::quiet_NaN() : sum;
+      }
+      if (col < p.Ev) o_part[row * p.Ev + col] = acc;
     }
   }
 }
@@ -905,10 +1100,22 @@ void launch_forward(const AttnParams& p, const SplitKV& split, cudaStream_t stre
   using C = GenericTiles<acc_t<scalar_t>>;
   const int64_t n_tasks = forward_tasks<acc_t<scalar_t>>(p);
   if constexpr (!std::is_same_v<scalar_t, double>) {  // split_kv_plan never splits float64
+    const int64_t n_rows = p.B * p.Hq * p.L;
+    if (split.decode) {
+      const dim3 grid(task_grid(p.B * p.Hkv), static_cast<unsigned>(split.n_splits));
+      if (p.Ev <= 64)
+        decode_kernel<scalar_t, 2><<<grid, kDecodeWarps * 32, 0, stream>>>(p, split);
+      else if (p.Ev <= 128)
+        decode_kernel<scalar_t, 4><<<grid, kDecodeWarps * 32, 0, stream>>>(p, split);
+      else
+        decode_kernel<scalar_t, 8><<<grid, kDecodeWarps * 32, 0, stream>>>(p, split);
+      split_kv_merge_kernel<scalar_t>
+          <<<task_grid(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, split);
+      return;
+    }
     if (split.n_splits > 1) {
       const dim3 grid(task_grid(n_tasks), static_cast<unsigned>(split.n_splits));  // at most 128 splits
       forward_kernel<scalar_t, true><<<grid, C::kThreads, 0, stream>>>(p, split);
-      const int64_t n_rows = p.B * p.Hq * p.L;
       split_kv_merge_kernel<scalar_t>
           <<<task_grid(ceil_div(n_rows, C::kThreads / 32)), C::kThreads, 0, stream>>>(p, split);
       return;
@@ -946,6 +1153,30 @@ void launch_backward(const AttnBwdParams& p, const BwdWorkspace& ws, cudaStream_
   backward_dq_kernel<scalar_t><<<task_grid(p.B * p.Hq * ceil_div(p.L, C::kBlockM)), C::kThreads, 0, stream>>>(p, ws);
 }
 
+// Whether decode_kernel can run `p`: at most kDecodeRows rows per key/value
+// head, head dims up to kDecodeMaxDim, and K rows it can read 16 bytes at a
+// time (the head dim contiguous, every row and slice start 16-byte aligned).
+bool decode_fits(const AttnParams& p) {
+  const int64_t size = p.dtype == DType::Float32 ? 4 : 2, vec = 16 / size;
+  const auto aligned = [&](int64_t elements) { return (elements * size) % 16 == 0; };
+  return p.S > 0 && (p.Hq / p.Hkv) * p.L <= kDecodeRows && p.E <= kDecodeMaxDim && p.Ev <= kDecodeMaxDim &&
+         p.E % vec == 0 && (p.E <= 1 || p.k_stride[3] == 1) && reinterpret_cast<uintptr_t>(p.k) % 16 == 0 &&
+         aligned(p.k_stride[0]) && aligned(p.k_stride[1]) && aligned(p.k_stride[2]);
+}
+
+// decode_kernel's key ranges: about four blocks per SM, at least 256 keys (two
+// tiles per warp) each, at most 128 ranges; whole 32-key tiles.
+SplitKV plan_decode(const AttnParams& p, int num_sms) {
+  SplitKV split;
+  split.decode = true;
+  const int64_t tasks = p.B * p.Hkv;
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>({ceil_div(4 * static_cast<int64_t>(num_sms), tasks),
+                                                            ceil_div(p.S, 256), 128}));
+  split.keys_per_split = ceil_div(ceil_div(p.S, n), 32) * 32;
+  split.n_splits = ceil_div(p.S, split.keys_per_split);
+  return split;
+}
+
 }  // namespace
 
 SplitKV split_kv_plan(const AttnParams& params, int num_sms) {
@@ -953,7 +1184,7 @@ SplitKV split_kv_plan(const AttnParams& params, int num_sms) {
   if (params.probs != nullptr || params.dropout_p > 0.0 || params.cu_q != nullptr || params.dtype == DType::Float64 ||
       params.B == 0 || params.Hq == 0 || params.L == 0)
     return SplitKV{};
-  return plan_split<float>(params, num_sms);
+  return decode_fits(params) ? plan_decode(params, num_sms) : plan_split<float>(params, num_sms);
 }
 
 void forward_generic(const AttnParams& params, cudaStream_t stream, const SplitKV& split) {

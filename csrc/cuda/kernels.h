@@ -46,8 +46,14 @@ struct BwdWorkspace {
 // row max m and row sum l to the workspace; a merge kernel joins the splits
 // through the log-sum-exp (and the sinks) into out and lse. Never with
 // dropout, the explicit probabilities, a packed batch or float64.
+//
+// Decode (decode set): calls with at most 8 query rows per key/value head (the
+// group's query heads x L) run on a kernel of their own, one block per (b, kv
+// head, key range), which reads each K and V row once for all those rows; it
+// writes the same partial rows, and the merge follows even when n_splits is 1.
 struct SplitKV {
-  int64_t n_splits = 1;  // 1: no split
+  int64_t n_splits = 1;  // 1: no split (unless decode)
+  bool decode = false;   // the decode kernel runs the key ranges
   int64_t keys_per_split = 0;
   void* o_part = nullptr;   // (n_splits, B, Hq, L, Ev) contiguous, accumulation dtype
   void* ml_part = nullptr;  // (n_splits, B, Hq, L, 2) contiguous, accumulation dtype: m, l of each row

@@ -143,3 +143,18 @@ def test_decode_head_dims_and_key_counts_match_reference(L, E, Ev, S, dtype, dev
     q, k, v = make_qkv(2, 2, 1, L, S, E, Ev, dtype, device, seed=E + S + L)
     run_forward_case(q, k, v, enable_gqa=True)
     run_forward_case(q, k, v, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+
+
+# float16 and bfloat16 keys are converted and packed transposed (K^T panels), 16 rows at a
+# time through 16 x 16 register transposes of 256-column chunks, the rows left one at a
+# time: head dims past one chunk and not a multiple of 16, key counts not a multiple of 16;
+# 20 query rows pack (more than the in-place decoding rows). Forward and backward.
+@pytest.mark.parametrize("E,S", [(300, 45), (264, 40), (17, 33), (48, 16)], ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_key_packing_head_dims_and_key_counts_match_reference(E, S, dtype, device):
+    from helpers import run_backward_case, run_forward_case
+
+    q, k, v = make_qkv(2, 2, 1, 20, S, E, 24, dtype, device, seed=E, requires_grad=True)
+    kw = dict(is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
+    run_forward_case(q, k, v, **kw)
+    run_backward_case(q, k, v, **kw)

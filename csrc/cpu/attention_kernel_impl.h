@@ -591,10 +591,28 @@ template <typename scalar_t, typename T>
 inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs, int64_t cs,
                             int64_t n, int64_t dim) {
   if constexpr (!std::is_same_v<scalar_t, T>) {
-    if (cs == 1) {  // half types: convert a row a vector at a time, then scatter it
+    if (cs == 1) {  // half types: convert rows a vector at a time
       constexpr int64_t kChunk = 256;
+      int64_t j0 = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        // 16 rows converted into a block, then 16 x 16 transposes through registers
+        // (scattering each converted row took 6.6 % of a float16 forward, 4 x 8 x 1024 x 64 on the Xeon)
+        constexpr int64_t kRows = 16;
+        alignas(64) T block[kRows * kChunk];
+        for (; j0 + kRows <= n; j0 += kRows) {
+          for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+            const int64_t w = std::min(kChunk, dim - d0);
+            for (int64_t r = 0; r < kRows; ++r) load_row(block + r * kChunk, src + (j0 + r) * rs + d0, w, 1, T(1), w);
+            int64_t d = 0;
+            for (; d + 16 <= w; d += 16)
+              at::vec::transpose_mxn<float, 16, 16>(block + d, kChunk, dst + (d0 + d) * ld + j0, ld);
+            for (; d < w; ++d)
+              for (int64_t r = 0; r < kRows; ++r) dst[(d0 + d) * ld + j0 + r] = block[r * kChunk + d];
+          }
+        }
+      }
       T row[kChunk];
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {  // the rows left: convert a row, then scatter it
         for (int64_t d0 = 0; d0 < dim; d0 += kChunk) {
           const int64_t w = std::min(kChunk, dim - d0);
           load_row(row, src + j * rs + d0, w, 1, T(1), w);

@@ -15,6 +15,8 @@
 #              with BASELINE=DIR also the tree in DIR (built here first), in the same session
 #   decode     python -m attn_ext bench --decode --device cuda: decoding steps against SDPA
 #              (issue 13's shapes and the grid of cache lengths, bfloat16 and float32; split-KV)
+#   transformers  benchmarks/bench_transformers.py --device cuda: a tiny Llama's training step, prefill and
+#              generation (dynamic, static and compiled static cache) against "sdpa", bfloat16 and float32
 #   grid       benchmarks/bench_gpu.py, the whole grid, --json $OUT/gpu.json (its JSON is
 #              written after every case, so a grid cut short keeps what it measured)
 #   profile    Nsight Compute (ncu: $NCU, the PATH's or CUDA's) on the bf16 backward's main kernel, ours and
@@ -31,7 +33,8 @@
 #   COMMIT      the commit being measured, recorded in the grid's JSON
 #   BASELINE    a copy of another tree (e.g. `git archive HEAD~1 | tar -x -C DIR`) to time beside this one
 #   *_TIMEOUT   seconds per step: BUILD_TIMEOUT 300, TESTS_TIMEOUT 200, SANITIZER_TIMEOUT 180 (each tool),
-#               BACKWARD_TIMEOUT 120, DECODE_TIMEOUT 120 (each of two), GRID_TIMEOUT 300, PROFILE_TIMEOUT 90
+#               BACKWARD_TIMEOUT 120, DECODE_TIMEOUT 120 (each of two), TRANSFORMERS_TIMEOUT 240,
+#               GRID_TIMEOUT 300, PROFILE_TIMEOUT 90
 
 set -u
 cd "$(dirname "$0")/.." || exit 2
@@ -95,6 +98,10 @@ for s in "${STEPS[@]}"; do
       step decode_grid "${DECODE_TIMEOUT:-120}" env PYTHONPATH="$PWD" "$PYTHON" -m attn_ext bench --decode --device cuda \
         --dtype bfloat16 --rounds 5 --json "$OUT/decode_grid.json"
       ;;
+    transformers)
+      step transformers "${TRANSFORMERS_TIMEOUT:-240}" env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_transformers.py \
+        --device cuda --dtype bfloat16,float32 --min-run-time 1 --json "$OUT/transformers.json"
+      ;;
     grid)
       step grid "${GRID_TIMEOUT:-300}" env PYTHONPATH="$PWD" "$PYTHON" benchmarks/bench_gpu.py --min-run-time 0.1 \
         --markdown --commit "${COMMIT:-}" --json "$OUT/gpu.json"
@@ -113,7 +120,7 @@ for s in "${STEPS[@]}"; do
         --kernel-name regex:flash_bwd_dq_dk_dv "$PYTHON" benchmarks/profile_gpu_backward.py flash
       ;;
     *)
-      echo "gpu_lease: unknown step '$s' (build, tests, memcheck, backward, decode, grid, profile)" >&2
+      echo "gpu_lease: unknown step '$s' (build, tests, memcheck, backward, decode, transformers, grid, profile)" >&2
       exit 2
       ;;
   esac

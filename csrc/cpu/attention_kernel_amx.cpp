@@ -40,24 +40,6 @@ ARows a_operand(uint16_t* buf, const Bf16* rows, int64_t ld, int64_t m, int64_t 
   return ARows{buf, Kp};
 }
 
-// A band of a score tile: row r of a query block sees columns [first + r, reach + r) of the
-// tile's n (the causal bound and a window's two sides, relative to the tile; first <= -r and
-// reach >= n - r leave that side open; kOpenFirst and -kOpenFirst always do). Products over
-// a band skip the blocks of rows and columns no row of theirs sees: the columns rows
-// [r0, r1) see, and the rows that see columns [c0, c1), both widened to multiples of
-// `align` and kept within round_up(n or m, align).
-KeyRange band_columns(int64_t first, int64_t reach, int64_t r0, int64_t r1, int64_t n, int64_t align) {
-  const int64_t begin = std::clamp<int64_t>(first + r0, 0, n) / align * align;
-  const int64_t end = round_up(std::clamp<int64_t>(reach + r1 - 1, 0, n), align);
-  return KeyRange{begin, std::max(begin, end)};
-}
-
-KeyRange band_rows(int64_t first, int64_t reach, int64_t c0, int64_t c1, int64_t m, int64_t align) {
-  const int64_t begin = std::clamp<int64_t>(c0 - reach + 1, 0, m) / align * align;
-  const int64_t end = round_up(std::clamp<int64_t>(c1 - first, 0, m), align);
-  return KeyRange{begin, std::max(begin, end)};
-}
-
 // The products' two engines: one interface (amx::gemm's), with its per-thread set-up.
 struct TileEngine {  // AMX-BF16 tiles: the tile configuration is per-thread state
   static constexpr int64_t kBandRows = 32;  // its products run 32 x 32 blocks of C (four tiles)

@@ -237,6 +237,26 @@ void gemm(int64_t M, int64_t N, int64_t K, T alpha, const T* a, int64_t a_rs, in
 // means every row needs every column up to N.
 constexpr int64_t kOpenFirst = -(int64_t(1) << 60);
 
+// The band's blocks. Row r of a tile sees columns [first + r, reach + r) of its n
+// (first <= -r and reach >= n - r leave that side open; kOpenFirst and
+// -kOpenFirst always do). Products over a band skip the blocks of rows and
+// columns no row of theirs sees: band_columns gives the columns rows [r0, r1)
+// see, band_rows the rows (of m) that see columns [c0, c1), both widened to
+// multiples of `align` and kept within round_up(n or m, align); begin == end
+// when there are none. The at::vec products take 6-row groups (align 1, or the
+// vector width for score columns), the bfloat16 ones 16- and 32-row blocks.
+inline KeyRange band_columns(int64_t first, int64_t reach, int64_t r0, int64_t r1, int64_t n, int64_t align = 1) {
+  const int64_t begin = std::clamp<int64_t>(first + r0, 0, n) / align * align;
+  const int64_t end = round_up(std::clamp<int64_t>(reach + r1 - 1, 0, n), align);
+  return KeyRange{begin, std::max(begin, end)};
+}
+
+inline KeyRange band_rows(int64_t first, int64_t reach, int64_t c0, int64_t c1, int64_t m, int64_t align = 1) {
+  const int64_t begin = std::clamp<int64_t>(c0 - reach + 1, 0, m) / align * align;
+  const int64_t end = round_up(std::clamp<int64_t>(c1 - first, 0, m), align);
+  return KeyRange{begin, std::max(begin, end)};
+}
+
 // C (M x N, ldc) = A (M x K, row-major, lda) B (K x N, ldb), row r written from
 // whole vectors before first + r to whole vectors past its reach: without a
 // left side the columns every row needs in whole gemm strips, then each
@@ -248,12 +268,12 @@ void gemm_to_reach(int64_t M, int64_t N, int64_t valid, int64_t reach, int64_t K
   constexpr int64_t VS = Vectorized<T>::size();
   constexpr int64_t kStrip = kGemmVecs * VS;
   auto end_of = [&](int64_t r0, int64_t rows) {  // the columns rows [r0, r0 + rows) need end here
-    return reach >= valid ? N : std::min(N, round_up(std::clamp<int64_t>(reach + rows - 1 + r0, 0, valid), VS));
+    return reach >= valid ? N : std::min(N, band_columns(first, reach, r0, r0 + rows, valid, VS).end);
   };
   if (first + (M - 1) >= VS) {  // some row group starts a vector or more in
     for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
       const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
-      const int64_t begin = std::clamp<int64_t>(first + r0, 0, valid) / VS * VS, end = end_of(r0, rows);
+      const int64_t begin = band_columns(first, reach, r0, r0 + rows, valid, VS).begin, end = end_of(r0, rows);
       if (end > begin)
         gemm<T>(rows, end - begin, K, T(1), a + r0 * lda, lda, 1, b + begin, ldb, false, c + r0 * ldc + begin, ldc);
     }
@@ -278,11 +298,10 @@ void gemm_add_to_reach(int64_t M, int64_t N, int64_t n, int64_t reach, T alpha, 
   if (reach >= n && first + (M - 1) <= 0) return gemm<T>(M, N, n, alpha, a, lda, 1, b, ldb, true, c, ldc);
   for (int64_t r0 = 0; r0 < M; r0 += kGemmRows) {
     const int64_t rows = std::min<int64_t>(kGemmRows, M - r0);
-    const int64_t end = reach >= n ? n : std::clamp<int64_t>(reach + rows - 1 + r0, 0, n);
-    const int64_t begin = std::clamp<int64_t>(first + r0, 0, end);
-    if (end > begin)
-      gemm<T>(rows, N, end - begin, alpha, a + r0 * lda + begin, lda, 1, b + begin * ldb, ldb, true, c + r0 * ldc,
-              ldc);
+    const KeyRange keys = band_columns(first, reach, r0, r0 + rows, n);
+    if (keys.end > keys.begin)
+      gemm<T>(rows, N, keys.end - keys.begin, alpha, a + r0 * lda + keys.begin, lda, 1, b + keys.begin * ldb, ldb,
+              true, c + r0 * ldc, ldc);
   }
 }
 
@@ -1520,10 +1539,10 @@ class VecBackwardProducts {
     if (reach_ >= n_ && first_ + (m_ - 1) <= 0) return gemm<T>(n_, N, m_, alpha, x, 1, ld_, y, N, true, c, N);
     for (int64_t k0 = 0; k0 < n_; k0 += kGemmRows) {
       const int64_t keys = std::min<int64_t>(kGemmRows, n_ - k0);
-      const int64_t begin = std::clamp<int64_t>(k0 - reach_ + 1, 0, m_);
-      const int64_t end = std::clamp<int64_t>(k0 + keys - first_, begin, m_);
-      if (end > begin)
-        gemm<T>(keys, N, end - begin, alpha, x + begin * ld_ + k0, 1, ld_, y + begin * N, N, true, c + k0 * N, N);
+      const KeyRange rows = band_rows(first_, reach_, k0, k0 + keys, m_);
+      if (rows.end > rows.begin)
+        gemm<T>(keys, N, rows.end - rows.begin, alpha, x + rows.begin * ld_ + k0, 1, ld_, y + rows.begin * N, N, true,
+                c + k0 * N, N);
     }
   }
 

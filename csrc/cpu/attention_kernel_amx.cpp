@@ -40,6 +40,21 @@ ARows a_operand(uint16_t* buf, const Bf16* rows, int64_t ld, int64_t m, int64_t 
   return ARows{buf, Kp};
 }
 
+// fn(r0, rows, begin, end) for each block of `block` rows of the mp (padded) rows of a
+// band's tile whose columns (band_columns, widened to `align`) meet [c, c_end), with
+// [begin, end) what they share: the row blocks of the products over a band.
+template <typename Fn>
+void for_band_blocks(int64_t mp, int64_t block, int64_t first, int64_t reach, int64_t n, int64_t align, int64_t c,
+                     int64_t c_end, Fn&& fn) {
+  for (int64_t r0 = 0; r0 < mp; r0 += block) {
+    const int64_t rows = std::min(block, mp - r0);
+    const KeyRange band = band_columns(first, reach, r0, r0 + rows, n, align);
+    const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
+    if (end > begin) fn(r0, rows, begin, end);
+  }
+}
+constexpr int64_t kAllColumns = int64_t(1) << 60;
+
 // The products' two engines: one interface (amx::gemm's), with its per-thread set-up.
 struct TileEngine {  // AMX-BF16 tiles: the tile configuration is per-thread state
   static constexpr int64_t kBandRows = 32;  // its products run 32 x 32 blocks of C (four tiles)
@@ -113,14 +128,11 @@ class Bf16ForwardProducts {
         cache_.mark(cache_.k, slot);
       }
       const int64_t c_end = std::min(c + panel_, ld);  // the last panel's columns up to ld
-      for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
-        const int64_t rows = std::min(kBand, mp_ - r0);
-        const KeyRange band = band_columns(first, reach, r0, r0 + rows, n, 16);
-        const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
-        if (end > begin)
-          Engine::gemm(rows, end - begin, Ep_, q_.data + r0 * q_.ld, q_.ld, kv + 2 * (begin - c), 2 * panel_,
-                       st + r0 * ld + begin, ld, false);
-      }
+      for_band_blocks(mp_, kBand, first, reach, n, 16, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
+                                                                       int64_t end) {
+        Engine::gemm(rows, end - begin, Ep_, q_.data + r0 * q_.ld, q_.ld, kv + 2 * (begin - c), 2 * panel_,
+                     st + r0 * ld + begin, ld, false);
+      });
     }
   }
 
@@ -144,14 +156,11 @@ class Bf16ForwardProducts {
         cache_.mark(cache_.v, slot);
       }
       const int64_t c_end = std::min(c + panel_, n32);
-      for (int64_t r0 = 0; r0 < mp_; r0 += kBand) {
-        const int64_t rows = std::min(kBand, mp_ - r0);
-        const KeyRange band = band_columns(first, reach, r0, r0 + rows, n, 32);
-        const int64_t begin = std::max(band.begin, c), end = std::min(band.end, c_end);
-        if (end > begin)
-          Engine::gemm(rows, Evp_, end - begin, pa_.data() + r0 * n32 + begin, n32, vv + (begin - c) * Evp_,
-                       2 * Evp_, ot + r0 * Evp_, Evp_, true);
-      }
+      for_band_blocks(mp_, kBand, first, reach, n, 32, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
+                                                                       int64_t end) {
+        Engine::gemm(rows, Evp_, end - begin, pa_.data() + r0 * n32 + begin, n32, vv + (begin - c) * Evp_, 2 * Evp_,
+                     ot + r0 * Evp_, Evp_, true);
+      });
     }
   }
 
@@ -308,13 +317,11 @@ class Bf16BackwardProducts {
   void add_dq(float* dq, const float* ds) {
     amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, ld16_, m_, n_, n32_);
     zero_rows(d_a_.data(), n32_, m_, m16_);
-    for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
-      const int64_t rows = std::min(kBand, m16_ - r0);
-      const KeyRange keys = band_columns(first_, reach_, r0, r0 + rows, n_, 32);
-      if (keys.end > keys.begin)
-        Engine::gemm(rows, Ep16_, keys.end - keys.begin, d_a_.data() + r0 * n32_ + keys.begin, n32_,
-                     k_r_.data() + keys.begin * Ep16_, 2 * Ep16_, dq + r0 * Ep16_, Ep16_, true);
-    }
+    for_band_blocks(m16_, kBand, first_, reach_, n_, 32, 0, kAllColumns, [&](int64_t r0, int64_t rows,
+                                                                             int64_t begin, int64_t end) {
+      Engine::gemm(rows, Ep16_, end - begin, d_a_.data() + r0 * n32_ + begin, n32_, k_r_.data() + begin * Ep16_,
+                   2 * Ep16_, dq + r0 * Ep16_, Ep16_, true);
+    });
   }
 
   void add_dk(float* dk, const float* ds) {
@@ -328,13 +335,11 @@ class Bf16BackwardProducts {
   // c (m16 x n16, row stride ld16) = a (m16 x K bf16 rows) bv (K x n16, a VNNI panel of the
   // block's keys), each block of rows over its band's columns only.
   void band_products(float* c, ARows a, int64_t K, const uint16_t* bv) {
-    for (int64_t r0 = 0; r0 < m16_; r0 += kBand) {
-      const int64_t rows = std::min(kBand, m16_ - r0);
-      const KeyRange cols = band_columns(first_, reach_, r0, r0 + rows, n_, 16);
-      if (cols.end > cols.begin)
-        Engine::gemm(rows, cols.end - cols.begin, K, a.data + r0 * a.ld, a.ld, bv + 2 * cols.begin, 2 * kv_block_,
-                     c + r0 * ld16_ + cols.begin, ld16_, false);
-    }
+    for_band_blocks(m16_, kBand, first_, reach_, n_, 16, 0, kAllColumns, [&](int64_t r0, int64_t rows,
+                                                                             int64_t begin, int64_t end) {
+      Engine::gemm(rows, end - begin, K, a.data + r0 * a.ld, a.ld, bv + 2 * begin, 2 * kv_block_,
+                   c + r0 * ld16_ + begin, ld16_, false);
+    });
   }
 
   // c (n16 x N) += t_a y, y (m32 x N, a VNNI panel of the block's rows): each block of keys

@@ -158,3 +158,40 @@ def test_half_key_packing_head_dims_and_key_counts_match_reference(E, S, dtype, 
     kw = dict(is_causal=True, enable_gqa=True, causal_alignment="bottom_right")
     run_forward_case(q, k, v, **kw)
     run_backward_case(q, k, v, **kw)
+
+
+# float16 forwards on the amx variant run their products in split bfloat16 on the tiles
+# (each value as hi + lo, three or four bfloat16 products per product, from 16 query rows,
+# 32 keys and 8192 pairs of them on): head dims not a multiple of 32 and past 128, value dims
+# unlike the key's, key counts spanning several panels with a partial last one, one query tile
+# exactly and a partial one, rows read through a (B, L, H, E) layout; with GQA, masks and the
+# bottom-right causal bound. The log-sum-exp keeps float32's accuracy (the rule against
+# PyTorch's at float32): rows that see one key each (their log-sum-exp is that score) fail it
+# when Q K^T leaves out the lo x lo products. On the other variants the same cases run on the
+# converted-to-float32 kernels.
+@pytest.mark.parametrize("L,S,E,Ev", [(16, 600, 40, 24), (64, 1100, 72, 96), (130, 130, 128, 128),
+                                      (70, 300, 200, 256), (33, 2000, 64, 64), (256, 32, 64, 64)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_float16_split_products_match_reference(L, S, E, Ev, layout, device):
+    from helpers import run_forward_case
+
+    q, k, v = make_qkv(2, 4, 2, L, S, E, Ev, torch.float16, device, seed=L + E, layout=layout)
+    run_forward_case(q, k, v, enable_gqa=True)
+    run_forward_case(q, k, v, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+    mask = make_mask("bool", (2, 1, L, S), torch.float16, device, seed=E, keep_prob=0.7)
+    run_forward_case(q, k, v, attn_mask=mask, enable_gqa=True)
+    mask = make_mask("float", (L, S), torch.float16, device, seed=E)
+    run_forward_case(q[:1, :2], k[:1, :2], v[:1, :2], attn_mask=mask)
+    # float32's accuracy: the log-sum-exp by the rule against PyTorch's float32 one on the same
+    # (exactly converted) values; rows that see one key each have their score as log-sum-exp.
+    from helpers import assert_close_by_rule, torch_lse
+
+    q = q[:, :2]
+    for mask in (None, torch.arange(S, device=device) == (torch.arange(L, device=device) % S)[:, None]):
+        _, lse = attn_ext_module().scaled_dot_product_attention(q, k, v, attn_mask=mask, return_lse=True)
+        _, ref_lse = attention_reference(q, k, v, attn_mask=mask)
+        base_lse = torch_lse(q.float(), k.float(), v.float(), mask)
+        if base_lse is not None:  # (on the CPU)
+            assert_close_by_rule("lse", lse, ref_lse, base_lse, torch.float32)
+

@@ -440,6 +440,56 @@ inline void copy_rows_bf16(uint16_t* dst, int64_t ldd, const uint16_t* src, int6
                                _mm512_maskz_loadu_epi16(detail::mask32(K - k), src + m * lds + k));
 }
 
+// Split bfloat16: x as hi = bf16(x) and lo = bf16(x - hi), for products of float16 (or float32)
+// values on bfloat16 units. x - hi is exact in fp32, so hi + lo carries 16 significant bits: a
+// float16 value (11 bits, exponents within bfloat16's) exactly, a float32 one to 2^-17 of itself.
+// A product a b taken as a_hi b_hi + a_hi b_lo + a_lo b_hi (three bf16 products, each exact, summed
+// in fp32) misses only a_lo b_lo, at most 2^-18 |a b|: far below float16's rounding (2^-11).
+namespace detail {
+
+inline void split_bf16(__m512 x, __m256i& hi, __m256i& lo) {
+  hi = cvt_bf16(x);
+  const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+  lo = cvt_bf16(_mm512_sub_ps(x, back));
+}
+
+// Rows [0, M) of src (K columns, row stride lds) split into hi (row stride ldh) and lo (row
+// stride ldl), zero in columns K..Kp; load(row, k, mask) gives 16 values as fp32.
+template <typename Load>
+inline void split_rows(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t ldl, int64_t M, int64_t K, int64_t Kp,
+                       Load&& load) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < Kp; k += 16) {
+      __m256i h, l;
+      split_bf16(load(m, k, mask16(K - k)), h, l);
+      const __mmask16 keep = mask16(Kp - k);
+      _mm256_mask_storeu_epi16(hi + m * ldh + k, keep, h);
+      _mm256_mask_storeu_epi16(lo + m * ldl + k, keep, l);
+    }
+  }
+}
+
+}  // namespace detail
+
+// Split bfloat16 of float16 rows: src M x K float16 (raw bits), row stride lds; hi and lo as above.
+// Needs Kp >= K, Kp % 16 == 0.
+inline void split_rows_from_f16(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t ldl, const uint16_t* src,
+                                int64_t lds, int64_t M, int64_t K, int64_t Kp) {
+  assert(Kp >= K && Kp % 16 == 0);
+  detail::split_rows(hi, ldh, lo, ldl, M, K, Kp, [&](int64_t m, int64_t k, __mmask16 mask) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, src + m * lds + k));
+  });
+}
+
+// Split bfloat16 of fp32 rows: src M x K, row stride lds. Needs Kp >= K, Kp % 16 == 0.
+inline void split_rows_from_f32(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t ldl, const float* src,
+                                int64_t lds, int64_t M, int64_t K, int64_t Kp) {
+  assert(Kp >= K && Kp % 16 == 0);
+  detail::split_rows(hi, ldh, lo, ldl, M, K, Kp, [&](int64_t m, int64_t k, __mmask16 mask) {
+    return _mm512_maskz_loadu_ps(mask, src + m * lds + k);
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoding: a query row or two against every key, keys and values read in place as bf16 rows
 // (AVX512-BF16's vdpbf16ps: pairs of exact bf16 products summed in fp32; no tile state needed).

@@ -3,8 +3,9 @@
 //               products run on AMX tiles (bfloat16 inputs, float32 accumulation);
 //   avx512bf16  (AMD Zen 4 and later, Intel Cooper Lake) the same products with
 //               AVX512-BF16 dot products on vector registers (amx_bf16.h's gemm_dots).
-// Both run inside the same driver as every other variant; every other dtype,
-// and shapes the products do not suit, run avx512's kernels. Compiled with
+// Both run inside the same driver as every other variant. The amx variant also runs float16
+// forwards on the tiles, in split bfloat16 (HalfSplitForwardProducts); every other dtype, the
+// float16 backward and shapes the products do not suit run avx512's kernels. Compiled with
 // avx512's flags (isa_flags.txt); amx_bf16.h enables the AMX and AVX512-BF16
 // instructions for its own functions only.
 #define CPU_CAPABILITY AVX512
@@ -174,6 +175,143 @@ class Bf16ForwardProducts {
   int64_t m_ = 0, mp_ = 0;
   ARows q_{};
   Buffer<uint16_t> qa_, pa_, kv_, vv_;
+};
+
+// float16's forward products on the same engine, in split bfloat16 (amx_bf16.h): each float16
+// value of Q, K and V is exactly hi + lo, two bfloat16 values, and each row of P (fp32) is split
+// the same way to 2^-17 of itself.
+//   S = [Qh | Qh] [Kh; Kl] + [Ql | Ql] [Kh; Kl]: two products over 2 Ep columns, the K^T panels
+//       packed once as [Kh; Kl] (A rows [Qh | Qh | Ql | Ql]). fp32 sums of exact products, as
+//       with float32 FMA on avx512's kernels (which convert every value to fp32): the scores and
+//       the log-sum-exp keep float32's accuracy. (Without Ql Kl, up to 2^-18 of each product,
+//       a row that sees one key got 2.9e-6 relative in its log-sum-exp against PyTorch's
+//       1.3e-7 in float32.) Panels of [Kh; Kh; Kl; Kl] for one product over 4 Ep columns
+//       measured slower (1.4x SDPA against 1.8x at 1 x 8 x 4096 x 64 on the Xeon): twice the
+//       bytes per key to stream from L3 for each query block.
+//   O += Ph Vh + Pl Vh + Ph Vl: three products over the same keys. Pl Vl is left out: at most
+//       2^-18 of each product, far below the float16 output's rounding (2^-11).
+// Only on the tiles: on the dot engine (Zen 4) a bfloat16 dot product does two multiply-adds
+// per lane to an fp32 FMA's one, so the seven products would take 3.5 instructions' worth
+// where avx512's kernels take 2 (reasoned, not measured: no Zen 4 at hand when this was written).
+template <class Engine>
+class HalfSplitForwardProducts {
+ public:
+  using T = float;
+  static constexpr int64_t kCols = 16;
+  static constexpr int64_t kKeyAlign = 32;
+  static constexpr int64_t kRowAlign = 16;
+  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
+
+  HalfSplitForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
+      : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), panel_(panel),
+        k_panel_(2 * Ep_ * panel), v_panel_(panel * Evp_) {
+    cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), panel);
+    cache_.on = (k_panel_ + 2 * v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
+    const int64_t slots = cache_.on ? cache_.blocks : 1;
+    qa_.resize(q_block * 4 * Ep_);
+    p_hi_.resize(q_block * cols);
+    p_lo_.resize(q_block * cols);
+    rows_.resize(panel * 2 * std::max(Ep_, Evp_));  // a panel's K rows split, or V's
+    kv_.resize(k_panel_ * slots);
+    if (p.v != nullptr) vv_.resize(2 * v_panel_ * slots);
+    Engine::start();
+  }
+  ~HalfSplitForwardProducts() { Engine::stop(); }
+
+  int64_t out_ld() const { return Evp_; }
+  void bind(const AttnParams& p) { p_ = &p; }
+
+  // A rows [Qh | Qh | Ql | Ql], zero past E in each part and in rows m..mp.
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    const int64_t ld = 4 * Ep_;
+    m_ = m;
+    mp_ = round_up(m, 16);
+    uint16_t* qa = qa_.data();
+    amx::split_rows_from_f16(qa, ld, qa + 2 * Ep_, ld, half_bits(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], m,
+                             E_, Ep_);
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(qa + r * ld + Ep_, qa + r * ld, Ep_ * sizeof(uint16_t));
+      std::memcpy(qa + r * ld + 3 * Ep_, qa + r * ld + 2 * Ep_, Ep_ * sizeof(uint16_t));
+    }
+    zero_rows(qa, ld, m, mp_);
+  }
+
+  void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t first) {
+    const int64_t K = 2 * Ep_, lda = 4 * Ep_;
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      uint16_t* kv = kv_.data() + slot * k_panel_;
+      if (!cache_.packed(cache_.k, slot)) {
+        const int64_t keys = keys_in(j0 + c);
+        uint16_t* rows = rows_.data();
+        // K's rows as [Kh | Kl] (the panel's K^T: [Kh; Kl])
+        amx::split_rows_from_f16(rows, K, rows + Ep_, K, half_bits(p_->k, p_->k_stride, b, hk, j0 + c),
+                                 p_->k_stride[2], keys, E_, Ep_);
+        amx::pack_vnni_from_transposed(kv, rows, K, keys, K, K, panel_);
+        cache_.mark(cache_.k, slot);
+      }
+      const int64_t c_end = std::min(c + panel_, ld);
+      for_band_blocks(mp_, kBand, first, reach, n, 16, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
+                                                                       int64_t end) {
+        const uint16_t* a = qa_.data() + r0 * lda;
+        float* s = st + r0 * ld + begin;
+        Engine::gemm(rows, end - begin, K, a, lda, kv + 2 * (begin - c), 2 * panel_, s, ld, false);
+        Engine::gemm(rows, end - begin, K, a + K, lda, kv + 2 * (begin - c), 2 * panel_, s, ld, true);
+      });
+    }
+  }
+
+  // Row r of P split while it is in L1 (zero past n).
+  void take_p_row(int64_t r, const float* s, int64_t n) {
+    const int64_t n32 = round_up(n, 32);
+    amx::split_rows_from_f32(p_hi_.data() + r * n32, n32, p_lo_.data() + r * n32, n32, s, n32, 1, n, n32);
+  }
+
+  void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
+              int64_t first) {
+    const int64_t n32 = round_up(n, 32);
+    zero_rows(p_hi_.data(), n32, m_, mp_);
+    zero_rows(p_lo_.data(), n32, m_, mp_);
+    for (int64_t c = 0; c < n; c += panel_) {
+      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
+      uint16_t* v_hi = vv_.data() + 2 * slot * v_panel_;
+      uint16_t* v_lo = v_hi + v_panel_;
+      if (!cache_.packed(cache_.v, slot)) {
+        const int64_t keys = keys_in(j0 + c);
+        uint16_t* hi = rows_.data();
+        uint16_t* lo = hi + panel_ * Evp_;
+        amx::split_rows_from_f16(hi, Evp_, lo, Evp_, half_bits(p_->v, p_->v_stride, b, hk, j0 + c),
+                                 p_->v_stride[2], keys, p_->Ev, Evp_);
+        amx::pack_vnni_from_rows(v_hi, hi, Evp_, keys, p_->Ev, panel_, Evp_);
+        amx::pack_vnni_from_rows(v_lo, lo, Evp_, keys, p_->Ev, panel_, Evp_);
+        cache_.mark(cache_.v, slot);
+      }
+      const int64_t c_end = std::min(c + panel_, n32);
+      for_band_blocks(mp_, kBand, first, reach, n, 32, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
+                                                                       int64_t end) {
+        const int64_t at = r0 * n32 + begin;
+        const uint16_t* vh = v_hi + (begin - c) * Evp_;
+        const uint16_t* vl = v_lo + (begin - c) * Evp_;
+        float* o = ot + r0 * Evp_;
+        Engine::gemm(rows, Evp_, end - begin, p_hi_.data() + at, n32, vh, 2 * Evp_, o, Evp_, true);
+        Engine::gemm(rows, Evp_, end - begin, p_lo_.data() + at, n32, vh, 2 * Evp_, o, Evp_, true);
+        Engine::gemm(rows, Evp_, end - begin, p_hi_.data() + at, n32, vl, 2 * Evp_, o, Evp_, true);
+      });
+    }
+  }
+
+ private:
+  static constexpr int64_t kBand = Engine::kBandRows;
+  int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
+  static const uint16_t* half_bits(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
+    return reinterpret_cast<const uint16_t*>(row_at<c10::Half>(base, stride, b, h, i));
+  }
+
+  const AttnParams* p_;
+  const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
+  PanelCache cache_;
+  int64_t m_ = 0, mp_ = 0;
+  Buffer<uint16_t> qa_, p_hi_, p_lo_, rows_, kv_, vv_;
 };
 
 // Decoding's products (VecForwardProducts' interface) for a query block of
@@ -397,6 +535,19 @@ bool dots_suit(const AttnParams& p) {
          p.q_stride[3] == 1 && p.k_stride[3] == 1 && p.v_stride[3] == 1;
 }
 
+// float16 forwards on the tiles (HalfSplitForwardProducts) from a tile of query rows, two of
+// keys and 8192 (query, key) pairs per head on, with contiguous rows (as products_suit); the
+// rest, and the backward, keep avx512's kernels. Below that, splitting and packing each key
+// panel and padding to whole tiles cost more than the products save. Measured on the Xeon
+// (float16 forward, 8 heads, E = 64, 2 threads, ms, tiles / avx512's kernels): L = S = 1024
+// (B = 4) 1.9x faster; L = S = 128 1.21 / 1.39; L = 16, S = 2048 2.1-2.3 / 2.8-2.9;
+// L = 256, S = 32 4.9-5.5 / 4.9-5.0; L = S = 64 1.84-1.89 / 1.75-1.91; L = 256, S = 16
+// 4.9-5.0 / 3.8-3.9; L = S = 16 1.78 / 1.52-1.63; L = S = 9 1.40-1.44 / 0.87-0.91.
+bool half_products_suit(const AttnParams& p) {
+  return p.dtype == DType::Float16 && p.L >= 16 && p.S >= 32 && p.L * p.S >= 8192 && p.E > 0 &&
+         p.q_stride[3] == 1 && p.k_stride[3] == 1 && (p.v == nullptr || p.v_stride[3] == 1);
+}
+
 template <class Engine>
 void bf16_forward(const AttnParams& params) {
   if (products_suit(params)) return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
@@ -412,7 +563,10 @@ void bf16_backward(const AttnBwdParams& params) {
 
 }  // namespace
 
-void attention_forward(const AttnParams& params) { bf16_forward<TileEngine>(params); }
+void attention_forward(const AttnParams& params) {
+  if (half_products_suit(params)) return forward_driver<c10::Half, HalfSplitForwardProducts<TileEngine>>(params);
+  bf16_forward<TileEngine>(params);
+}
 void attention_backward(const AttnBwdParams& params) { bf16_backward<TileEngine>(params); }
 
 }  // namespace attn_ext::cpu::AMX

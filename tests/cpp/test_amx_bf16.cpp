@@ -6,6 +6,7 @@
 #include "../../csrc/cpu/amx_bf16.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -221,6 +222,65 @@ void test_copy_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) 
   check(ok, "copy_rows_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
 }
 
+// The value of a float16 bit pattern (scalar, exact).
+double half_value(uint16_t h) {
+  const int sign = h >> 15, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  const double mag = exp == 0 ? std::ldexp(double(man), -24) : std::ldexp(double(1024 + man), exp - 25);
+  return sign ? -mag : mag;
+}
+
+// Split bfloat16 of float16 rows: every finite float16 value (all 63488 patterns, in rows of K
+// with row stride lds) is exactly hi + lo, hi = bf16(x); zero in K..Kp; nothing written past.
+void test_split_rows_from_f16(int64_t K, int64_t Kp, int64_t lds, int64_t ldd) {
+  std::vector<uint16_t> all;
+  for (uint32_t h = 0; h < 0x10000u; ++h)
+    if (((h >> 10) & 0x1f) != 0x1f) all.push_back(static_cast<uint16_t>(h));  // finite
+  const int64_t M = (int64_t(all.size()) + K - 1) / K;
+  std::vector<uint16_t> src(M * lds, 0);
+  for (size_t i = 0; i < all.size(); ++i) src[(i / K) * lds + i % K] = all[i];
+  std::vector<uint16_t> hi(M * ldd + 64, kSentinel), lo(M * ldd + 64, kSentinel);
+  amx::split_rows_from_f16(hi.data(), ldd, lo.data(), ldd, src.data(), lds, M, K, Kp);
+  bool ok = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ldd; ++k) {
+      const uint16_t h = hi[m * ldd + k], l = lo[m * ldd + k];
+      if (k < K) {
+        const double x = half_value(src[m * lds + k]);
+        ok &= same_bf16(h, ref_bf16(static_cast<float>(x))) &&
+              double(bf16_to_float(h)) + double(bf16_to_float(l)) == x;
+      } else {
+        ok &= k < Kp ? h == 0 && l == 0 : h == kSentinel && l == kSentinel;
+      }
+    }
+  for (size_t i = M * ldd; i < hi.size(); ++i) ok &= hi[i] == kSentinel && lo[i] == kSentinel;
+  check(ok, "split_rows_from_f16 K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
+}
+
+// Split bfloat16 of fp32 rows: hi = bf16(x), lo = bf16(x - hi), |x - (hi + lo)| <= 2^-17 |x| for
+// normal x (the rounding inputs: ties, extremes, denormals flushed as vcvtneps2bf16 does).
+void test_split_rows_from_f32(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) {
+  const std::vector<float> src = rounding_inputs(M * lds + 16);
+  std::vector<uint16_t> hi(M * ldd + 64, kSentinel), lo(M * ldd + 64, kSentinel);
+  amx::split_rows_from_f32(hi.data(), ldd, lo.data(), ldd, src.data(), lds, M, K, Kp);
+  bool ok = true;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < ldd; ++k) {
+      const uint16_t h = hi[m * ldd + k], l = lo[m * ldd + k];
+      if (k < K) {
+        const float x = src[m * lds + k];
+        const uint16_t want_hi = ref_bf16(x);
+        ok &= same_bf16(h, want_hi);
+        if (std::isnan(x) || std::isinf(bf16_to_float(want_hi))) continue;
+        ok &= same_bf16(l, ref_bf16(x - bf16_to_float(want_hi)));
+        if (std::fpclassify(x) == FP_NORMAL && std::fabs(x) > 1e-30f)
+          ok &= std::fabs(double(x) - bf16_to_float(h) - bf16_to_float(l)) <= std::ldexp(std::fabs(double(x)), -17);
+      } else {
+        ok &= k < Kp ? h == 0 && l == 0 : h == kSentinel && l == kSentinel;
+      }
+    }
+  check(ok, "split_rows_from_f32 M=" + std::to_string(M) + " K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
+}
+
 // The attention pattern end to end: S = Q K^T with fp32 Q converted + padded and K^T VNNI-packed from
 // K's rows, then O = P^T-style product using the transposing conversion. Ragged sizes everywhere.
 // Decoding's dot products: S = Q X^T (Q zero-padded to whole 32-column chunks), then O += P V.
@@ -430,6 +490,13 @@ int main(int argc, char** argv) {
     test_convert_transposed(M, K, round_up(M, 32) + rand_int(0, 40), K + rand_int(0, 9),
                             round_up(M, 32) + 48);
     test_copy_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
+  }
+  for (auto [K, Kp, lds, ldd] : {std::array<int64_t, 4>{64, 64, 64, 64}, {40, 64, 45, 80}, {200, 224, 203, 256},
+                                  {17, 32, 17, 48}})
+    test_split_rows_from_f16(K, Kp, lds, ldd);
+  for (int r = 0; r < 10; ++r) {
+    const int64_t K = rand_int(1, 200), Kp = round_up(K, 16) + 16 * rand_int(0, 1), M = rand_int(1, 40);
+    test_split_rows_from_f32(M, K, Kp, K + rand_int(0, 9), Kp + rand_int(0, 20));
   }
   test_pack_vnni_from_rows(64, 128, 64, 128, 128);  // exact sizes, no padding
   test_pack_vnni_from_transposed(64, 128, 128, 64, 128);

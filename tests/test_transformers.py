@@ -239,21 +239,28 @@ def _assert_close(name, got, ref, tol):
     assert err <= tol * scale, f"{name}: max abs err {err:.3e} > {tol:.0e} x max |ref| {scale:.3e}"
 
 
-def _assert_grads_close(what, got, ref, tol):
-    """Every parameter's gradient by the tolerance, each relative to its own max |ref|
-    floored at GRAD_SCALE_FLOOR x the largest gradient of the model (see the docstring)."""
+def _grad_errors(got, ref):
+    """{parameter name: (max |got - ref|, its scale)} for every gradient ``ref`` has: the scale
+    is the gradient's max |ref| floored at GRAD_SCALE_FLOOR x the model's largest gradient (the
+    docstring's measure). A gradient None in one of the two only fails here."""
     assert got.keys() == ref.keys()
     assert any(g is not None for g in ref.values())
     largest = max(g.abs().max().item() for g in ref.values() if g is not None)
     assert largest > 0
+    errors = {}
     for name, g_ref in ref.items():
-        assert (got[name] is None) == (g_ref is None), f"{what}: grad of {name} is None in one only"
-        if g_ref is None:
-            continue
-        err, scale = _max_err(got[name], g_ref)
-        scale = max(scale, GRAD_SCALE_FLOOR * largest)
+        assert (got[name] is None) == (g_ref is None), f"grad of {name} is None in one only"
+        if g_ref is not None:
+            err, scale = _max_err(got[name], g_ref)
+            errors[name] = (err, max(scale, GRAD_SCALE_FLOOR * largest))
+    return errors
+
+
+def _assert_grads_close(what, got, ref, tol):
+    """Every parameter's gradient by the tolerance, relative to its floored scale (_grad_errors)."""
+    for name, (err, scale) in _grad_errors(got, ref).items():
         assert err <= tol * scale, (f"{what}: grad of {name}: max abs err {err:.3e} > {tol:.0e} x "
-                                    f"{scale:.3e} (max |ref|, floored at {GRAD_SCALE_FLOOR} x {largest:.3e})")
+                                    f"{scale:.3e} (max |ref|, floored at {GRAD_SCALE_FLOOR} x the largest)")
 
 
 def _tokens(batch, length, seed):
@@ -327,17 +334,12 @@ def test_logits_and_gradients_match_eager_and_sdpa(kind, dtype, padding, device)
 
 
 def _relative_errors(got, ref):
-    """{tensor name: max |got - ref| / max |ref|} for the logits and every parameter's
-    gradient, a gradient's scale floored at GRAD_SCALE_FLOOR x the largest (the
-    docstring's measure)."""
+    """{tensor name: max |got - ref| / its scale} for the logits (max |ref|) and every
+    parameter's gradient (_grad_errors' floored scale)."""
     (logits, grads), (ref_logits, ref_grads) = got, ref
     err, scale = _max_err(logits, ref_logits)
     errors = {"logits": err / scale}
-    largest = max(g.abs().max().item() for g in ref_grads.values() if g is not None)
-    for name, g_ref in ref_grads.items():
-        if g_ref is not None:
-            err, scale = _max_err(grads[name], g_ref)
-            errors[name] = err / max(scale, GRAD_SCALE_FLOOR * largest)
+    errors.update({name: err / scale for name, (err, scale) in _grad_errors(grads, ref_grads).items()})
     return errors
 
 

@@ -24,7 +24,7 @@ _ISA_WHAT = {
     "avx512": "AVX-512, 16 float lanes, 32 registers",
     "avx512bf16": "AVX512-BF16 dot products for bfloat16's matrix products, avx512 for the other dtypes",
     "amx": ("AMX-BF16 tiles for bfloat16 (decoding rows: AVX512-BF16 dot products) and, in split bfloat16, "
-            "float16's forward; avx512 for the rest"),
+            "float16; avx512 for the rest"),
 }
 
 

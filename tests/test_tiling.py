@@ -160,9 +160,9 @@ def test_half_key_packing_head_dims_and_key_counts_match_reference(E, S, dtype, 
     run_backward_case(q, k, v, **kw)
 
 
-# float16 forwards on the amx variant run their products in split bfloat16 on the tiles
-# (each value as hi + lo, three or four bfloat16 products per product, from 16 query rows,
-# 32 keys and 8192 pairs of them on): head dims not a multiple of 32 and past 128, value dims
+# float16 on the amx variant runs its products in split bfloat16 on the tiles, forward and
+# backward (each value as hi + lo, three or four bfloat16 products per product, from 16 query
+# rows, 32 keys and 8192 pairs of them on): head dims not a multiple of 32 and past 128, value dims
 # unlike the key's, key counts spanning several panels with a partial last one, one query tile
 # exactly and a partial one, rows read through a (B, L, H, E) layout; with GQA, masks and the
 # bottom-right causal bound. The log-sum-exp keeps float32's accuracy (the rule against
@@ -174,11 +174,13 @@ def test_half_key_packing_head_dims_and_key_counts_match_reference(E, S, dtype, 
                          ids=lambda x: str(x))
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_float16_split_products_match_reference(L, S, E, Ev, layout, device):
-    from helpers import run_forward_case
+    from helpers import run_backward_case, run_forward_case
 
-    q, k, v = make_qkv(2, 4, 2, L, S, E, Ev, torch.float16, device, seed=L + E, layout=layout)
+    q, k, v = make_qkv(2, 4, 2, L, S, E, Ev, torch.float16, device, seed=L + E, layout=layout, requires_grad=True)
     run_forward_case(q, k, v, enable_gqa=True)
     run_forward_case(q, k, v, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+    run_backward_case(q, k, v, enable_gqa=True, is_causal=True, causal_alignment="bottom_right")
+    q, k, v = q.detach(), k.detach(), v.detach()
     mask = make_mask("bool", (2, 1, L, S), torch.float16, device, seed=E, keep_prob=0.7)
     run_forward_case(q, k, v, attn_mask=mask, enable_gqa=True)
     mask = make_mask("float", (L, S), torch.float16, device, seed=E)

@@ -490,6 +490,32 @@ inline void split_rows_from_f32(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t
   });
 }
 
+// Split bfloat16 of a transposed fp32 matrix: hi[k][m] + lo[k][m] = src[m][k] (as split_rows) for
+// k < K, m < M; 0 for M <= m < Mp; rows k >= K not written. src: M x K, row stride lds; hi and lo:
+// row stride ldd >= Mp (the A operands of dV and dK).
+inline void split_transposed_from_f32(uint16_t* hi, uint16_t* lo, int64_t ldd, const float* src, int64_t lds,
+                                      int64_t M, int64_t K, int64_t Mp) {
+  assert(Mp >= M && ldd >= Mp);
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+    const __mmask16 store_mask = detail::mask16(Mp - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
+      const __mmask16 m = detail::mask16(K - k0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
+                          : _mm512_setzero_si512();
+      detail::transpose16x16_epi32(r);
+      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
+      for (int64_t j = 0; j < rows; ++j) {
+        __m256i h, l;
+        detail::split_bf16(_mm512_castsi512_ps(r[j]), h, l);
+        _mm256_mask_storeu_epi16(hi + (k0 + j) * ldd + m0, store_mask, h);
+        _mm256_mask_storeu_epi16(lo + (k0 + j) * ldd + m0, store_mask, l);
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoding: a query row or two against every key, keys and values read in place as bf16 rows
 // (AVX512-BF16's vdpbf16ps: pairs of exact bf16 products summed in fp32; no tile state needed).

@@ -3,9 +3,9 @@
 //               products run on AMX tiles (bfloat16 inputs, float32 accumulation);
 //   avx512bf16  (AMD Zen 4 and later, Intel Cooper Lake) the same products with
 //               AVX512-BF16 dot products on vector registers (amx_bf16.h's gemm_dots).
-// Both run inside the same driver as every other variant. The amx variant also runs float16
-// forwards on the tiles, in split bfloat16 (HalfSplitForwardProducts); every other dtype, the
-// float16 backward and shapes the products do not suit run avx512's kernels. Compiled with
+// Both run inside the same driver as every other variant. The amx variant also runs float16 on
+// the tiles, in split bfloat16 (HalfSplitForwardProducts, HalfSplitBackwardProducts); every
+// other dtype and shapes the products do not suit run avx512's kernels. Compiled with
 // avx512's flags (isa_flags.txt); amx_bf16.h enables the AMX and AVX512-BF16
 // instructions for its own functions only.
 #define CPU_CAPABILITY AVX512
@@ -506,6 +506,181 @@ class Bf16BackwardProducts {
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
 };
 
+// float16's backward products on the same engine, in split bfloat16 as the forward's
+// (HalfSplitForwardProducts): S = Q K^T and dP = dO V^T take all four partial products (two
+// tile products each over panels packed as [Kh; Kl] and [Vh; Vl], A rows [Xh | Xh | Xl | Xl]),
+// so that dS = P (dP - D) starts from float32-accurate terms; dV += Z^T dO, dQ += dS K and
+// dK += dS^T Q three (the fp32 tile of Z^T or dS split too; lo x lo left out, under 2^-18 of a
+// product). Q and dO are also kept as VNNI panels of their rows (hi and lo), K as VNNI panels
+// of its rows, for the products whose sums run over rows or keys.
+template <class Engine>
+class HalfSplitBackwardProducts {
+ public:
+  using T = float;
+  static constexpr int64_t kCols = 16;
+  static constexpr int64_t kKeyAlign = 32;
+  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }
+  static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
+  static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
+
+  HalfSplitBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
+      : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
+        Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
+        from_probs_(p.dprobs != nullptr) {
+    const int64_t qb32 = round_up(q_block, 32);
+    rows_.resize(kv_block * 2 * std::max(Ep32_, Evp32_));
+    k_t_.resize(2 * Ep32_ * kv_block);
+    v_t_.resize(2 * Evp32_ * kv_block);
+    k_rh_.resize(kv_block * Ep16_);
+    k_rl_.resize(kv_block * Ep16_);
+    q_a_.resize(qb32 * 4 * Ep32_);
+    do_a_.resize(qb32 * 4 * Evp32_);
+    q_rh_.resize(qb32 * Ep16_);
+    q_rl_.resize(qb32 * Ep16_);
+    do_rh_.resize(qb32 * Evp16_);
+    do_rl_.resize(qb32 * Evp16_);
+    t_hi_.resize(kv_block * qb32);
+    t_lo_.resize(kv_block * qb32);
+    d_hi_.resize(q_block * kv_block);
+    d_lo_.resize(q_block * kv_block);
+    Engine::start();
+  }
+  ~HalfSplitBackwardProducts() { Engine::stop(); }
+
+  void bind(const AttnBwdParams& p) { p_ = &p; }
+
+  void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    narrow(n, -kOpenFirst, kOpenFirst);
+    ld16_ = n16_;
+    // K's rows split ([Kh | Kl], row stride 2 Ep32): the K^T panel [Kh; Kl] and K's rows as VNNI panels
+    const int64_t kw = 2 * Ep32_;
+    uint16_t* rows = rows_.data();
+    amx::split_rows_from_f16(rows, kw, rows + Ep32_, kw, half_bits(p_->k, p_->k_stride, b, hk, j0), p_->k_stride[2],
+                             n, E_, Ep32_);
+    amx::pack_vnni_from_transposed(k_t_.data(), rows, kw, n, kw, kw, kv_block_);
+    amx::pack_vnni_from_rows(k_rh_.data(), rows, kw, n, E_, kv_block_, Ep16_);
+    amx::pack_vnni_from_rows(k_rl_.data(), rows + Ep32_, kw, n, E_, kv_block_, Ep16_);
+    if (from_probs_) return;
+    const int64_t vw = 2 * Evp32_;
+    amx::split_rows_from_f16(rows, vw, rows + Evp32_, vw, half_bits(p_->v, p_->v_stride, b, hk, j0),
+                             p_->v_stride[2], n, Ev_, Evp32_);
+    amx::pack_vnni_from_transposed(v_t_.data(), rows, vw, n, vw, vw, kv_block_);
+  }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    m_ = m;
+    m16_ = round_up(m, 16);
+    m32_ = round_up(m, 32);
+    load_rows(q_a_.data(), q_rh_.data(), q_rl_.data(), half_bits(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], E_,
+              Ep32_, Ep16_);
+    if (from_probs_) return;
+    load_rows(do_a_.data(), do_rh_.data(), do_rl_.data(), half_bits(p_->dout, p_->do_stride, b, h, i0),
+              p_->do_stride[2], Ev_, Evp32_, Evp16_);
+  }
+
+  // As Bf16BackwardProducts::narrow.
+  void narrow(int64_t n, int64_t reach, int64_t first) {
+    n_ = n;
+    n16_ = round_up(n, 16);
+    n32_ = round_up(n, 32);
+    reach_ = reach;
+    first_ = first;
+  }
+
+  void scores(float* st) { band_products(st, q_a_.data(), Ep32_, k_t_.data()); }
+
+  void grad_probs(float* dst) { band_products(dst, do_a_.data(), Evp32_, v_t_.data()); }
+
+  void add_dv(float* dv, const float* z) {
+    transposed_a(z);
+    key_products(dv, Evp16_, do_rh_.data(), do_rl_.data());
+  }
+
+  // dq += dS K (dS split), each block of rows over the keys it sees.
+  void add_dq(float* dq, const float* ds) {
+    amx::split_rows_from_f32(d_hi_.data(), n32_, d_lo_.data(), n32_, ds, ld16_, m_, n_, n32_);
+    zero_rows(d_hi_.data(), n32_, m_, m16_);
+    zero_rows(d_lo_.data(), n32_, m_, m16_);
+    for_band_blocks(m16_, kBand, first_, reach_, n_, 32, 0, kAllColumns, [&](int64_t r0, int64_t rows,
+                                                                             int64_t begin, int64_t end) {
+      const int64_t at = r0 * n32_ + begin;
+      const uint16_t* kh = k_rh_.data() + begin * Ep16_;
+      const uint16_t* kl = k_rl_.data() + begin * Ep16_;
+      float* c = dq + r0 * Ep16_;
+      Engine::gemm(rows, Ep16_, end - begin, d_hi_.data() + at, n32_, kh, 2 * Ep16_, c, Ep16_, true);
+      Engine::gemm(rows, Ep16_, end - begin, d_lo_.data() + at, n32_, kh, 2 * Ep16_, c, Ep16_, true);
+      Engine::gemm(rows, Ep16_, end - begin, d_hi_.data() + at, n32_, kl, 2 * Ep16_, c, Ep16_, true);
+    });
+  }
+
+  void add_dk(float* dk, const float* ds) {
+    transposed_a(ds);
+    key_products(dk, Ep16_, q_rh_.data(), q_rl_.data());
+  }
+
+ private:
+  static constexpr int64_t kBand = Engine::kBandRows;
+  static const uint16_t* half_bits(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
+    return reinterpret_cast<const uint16_t*>(row_at<c10::Half>(base, stride, b, h, i));
+  }
+
+  // The block's rows of X (Q or dO, `width` columns): a (m16 x 4 w32) = [Xh | Xh | Xl | Xl] and
+  // X's rows as VNNI panels rh, rl (m32 x w16).
+  void load_rows(uint16_t* a, uint16_t* rh, uint16_t* rl, const uint16_t* x, int64_t ldx, int64_t width,
+                 int64_t w32, int64_t w16) {
+    const int64_t ld = 4 * w32;
+    amx::split_rows_from_f16(a, ld, a + 2 * w32, ld, x, ldx, m_, width, w32);
+    for (int64_t r = 0; r < m_; ++r) {
+      std::memcpy(a + r * ld + w32, a + r * ld, w32 * sizeof(uint16_t));
+      std::memcpy(a + r * ld + 3 * w32, a + r * ld + 2 * w32, w32 * sizeof(uint16_t));
+    }
+    zero_rows(a, ld, m_, m16_);
+    amx::pack_vnni_from_rows(rh, a, ld, m_, width, m32_, w16);
+    amx::pack_vnni_from_rows(rl, a + 2 * w32, ld, m_, width, m32_, w16);
+  }
+
+  // c (m16 x n16, row stride ld16) = a bv over 4 w32 columns (two products over [Xh | Xh] and
+  // [Xl | Xl] against a [Yh; Yl] panel), each block of rows over its band's columns only.
+  void band_products(float* c, const uint16_t* a, int64_t w32, const uint16_t* bv) {
+    const int64_t K = 2 * w32, lda = 4 * w32;
+    for_band_blocks(m16_, kBand, first_, reach_, n_, 16, 0, kAllColumns, [&](int64_t r0, int64_t rows,
+                                                                             int64_t begin, int64_t end) {
+      const uint16_t* ar = a + r0 * lda;
+      float* cr = c + r0 * ld16_ + begin;
+      Engine::gemm(rows, end - begin, K, ar, lda, bv + 2 * begin, 2 * kv_block_, cr, ld16_, false);
+      Engine::gemm(rows, end - begin, K, ar + K, lda, bv + 2 * begin, 2 * kv_block_, cr, ld16_, true);
+    });
+  }
+
+  // c (n16 x N) += t y over the rows that see each block of keys: th yh + tl yh + th yl.
+  void key_products(float* c, int64_t N, const uint16_t* yh, const uint16_t* yl) {
+    for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
+      const int64_t keys = std::min(kBand, n16_ - c0);
+      const KeyRange rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
+      if (rows.end <= rows.begin) continue;
+      const int64_t at = c0 * m32_ + rows.begin, depth = rows.end - rows.begin;
+      float* cr = c + c0 * N;
+      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yh + rows.begin * N, 2 * N, cr, N, true);
+      Engine::gemm(keys, N, depth, t_lo_.data() + at, m32_, yh + rows.begin * N, 2 * N, cr, N, true);
+      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yl + rows.begin * N, 2 * N, cr, N, true);
+    }
+  }
+
+  // t = split(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16).
+  void transposed_a(const float* x) {
+    amx::split_transposed_from_f32(t_hi_.data(), t_lo_.data(), m32_, x, ld16_, m_, n_, m32_);
+    zero_rows(t_hi_.data(), m32_, n_, n16_);
+    zero_rows(t_lo_.data(), m32_, n_, n16_);
+  }
+
+  const AttnBwdParams* p_;
+  const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
+  const bool from_probs_;
+  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
+  Buffer<uint16_t> rows_, k_t_, v_t_, k_rh_, k_rl_, q_a_, do_a_, q_rh_, q_rl_, do_rh_, do_rl_, t_hi_, t_lo_, d_hi_,
+      d_lo_;
+};
+
 // Calls of up to kDotRows query rows per block: decoding steps (a grouped-query
 // step's group as rows, a few speculative tokens). See dots_suit.
 constexpr int64_t kDotRows = 8;
@@ -537,7 +712,7 @@ bool dots_suit(const AttnParams& p) {
 
 // float16 forwards on the tiles (HalfSplitForwardProducts) from a tile of query rows, two of
 // keys and 8192 (query, key) pairs per head on, with contiguous rows (as products_suit); the
-// rest, and the backward, keep avx512's kernels. Below that, splitting and packing each key
+// rest keeps avx512's kernels. Below that, splitting and packing each key
 // panel and padding to whole tiles cost more than the products save. Measured on the Xeon
 // (float16 forward, 8 heads, E = 64, 2 threads, ms, tiles / avx512's kernels): L = S = 1024
 // (B = 4) 1.9x faster; L = S = 128 1.21 / 1.39; L = 16, S = 2048 2.1-2.3 / 2.8-2.9;
@@ -546,6 +721,16 @@ bool dots_suit(const AttnParams& p) {
 bool half_products_suit(const AttnParams& p) {
   return p.dtype == DType::Float16 && p.L >= 16 && p.S >= 32 && p.L * p.S >= 8192 && p.E > 0 &&
          p.q_stride[3] == 1 && p.k_stride[3] == 1 && (p.v == nullptr || p.v_stride[3] == 1);
+}
+
+// The backward packs each key block (K^T, K's rows, V^T, hi and lo) for the query rows that see it:
+// it asks for 64 of them and 64 keys. Measured on the Xeon (float16 forward + backward, 8 heads,
+// E = 64, 2 threads, ms, tiles / avx512's kernels, two runs): L = S = 96 (B = 16) 11.4-12.2 /
+// 13.6-13.7; L = 64, S = 128 9.9-10.3 / 11.7-11.9; L = 128, S = 64 11.7 / 12.6-13.3; L = 16,
+// S = 600 27-30 / 26; L = 256, S = 32 17-20 / 18; at 4 x 8 x 1024 x 64 1.8x faster.
+bool half_products_suit(const AttnBwdParams& p) {
+  return half_products_suit(static_cast<const AttnParams&>(p)) && p.L >= 64 && p.S >= 64 &&
+         (p.dout == nullptr || p.do_stride[3] == 1);
 }
 
 template <class Engine>
@@ -567,7 +752,10 @@ void attention_forward(const AttnParams& params) {
   if (half_products_suit(params)) return forward_driver<c10::Half, HalfSplitForwardProducts<TileEngine>>(params);
   bf16_forward<TileEngine>(params);
 }
-void attention_backward(const AttnBwdParams& params) { bf16_backward<TileEngine>(params); }
+void attention_backward(const AttnBwdParams& params) {
+  if (half_products_suit(params)) return backward_driver<c10::Half, HalfSplitBackwardProducts<TileEngine>>(params);
+  bf16_backward<TileEngine>(params);
+}
 
 }  // namespace attn_ext::cpu::AMX
 

@@ -37,7 +37,7 @@ bool register_cpu_kernels(const CpuKernels& kernels);
   }
 
 // The variants' kernels, for units that hand some cases to another variant
-// (amx and avx512bf16 run everything but their bfloat16 products, and amx its float16 forward
+// (amx and avx512bf16 run everything but their bfloat16 products, and amx its float16
 // products, on avx512's kernels).
 #define ATTN_EXT_DECLARE_CPU_KERNELS(ISA_NS)             \
   namespace ISA_NS {                                     \

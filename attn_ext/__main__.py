@@ -45,6 +45,10 @@ def _cpu_kernel_lines(lib):
         else:
             state = "not usable: this CPU (or its OS) lacks the instructions"
         lines.append(f"{isa:<10} {state}; {what}")
+    if lib.get("cpu_l2_bytes"):
+        lines.append(f"tiles      {lib['cpu_tile_rows']} query rows x {lib['cpu_forward_tile_keys']} keys forward, "
+                     f"{lib['cpu_backward_tile_keys']} backward, the widest whose work fits half the "
+                     f"{int(lib['cpu_l2_bytes']) >> 10} KiB L2 per core")
     if not active or active.startswith("none"):
         lines.append(f"error: {active}")
     if lib.get("openmp") != "yes":

@@ -2,8 +2,10 @@
 last tiles: the online softmax across key tiles, causal tile skipping, the
 mask and dropout offsets of later tiles, and the backward's accumulation over
 tiles, all in float64 against the reference (errors ~1e-15, so 1e-11 leaves no
-room for a real bug). The CPU kernels choose their tiles per CPU (64 query rows;
-128 to 512 keys, by the L2 size): the shapes span several of any choice."""
+room for a real bug). The CPU kernels choose their tiles per CPU, by the L2
+size, within bounds the library reports (build_info: 64 query rows; 128 to 512
+keys forward, 128 to 256 backward): the shapes span several of any choice, which
+test_shapes_span_every_tile_choice checks against what the library says."""
 
 import pytest
 import torch
@@ -23,6 +25,31 @@ VARIANTS = {
     "bool_mask_gqa": dict(mask="bool", gqa=True),
     "dropout_causal": dict(dropout_p=0.3, is_causal=True, causal_alignment="bottom_right"),
 }
+
+
+def _tile_choices():
+    """(query rows per tile, every key-tile width the CPU kernels may choose), from build_info."""
+    from attn_ext import _build
+
+    info = _build.library_info()
+    keys = set()
+    for name in ("cpu_forward_tile_keys", "cpu_backward_tile_keys"):
+        low, high = (int(x) for x in info[name].split(".."))
+        while high >= low:
+            keys.add(high)
+            high //= 2
+    return int(info["cpu_tile_rows"]), sorted(keys)
+
+
+def test_shapes_span_every_tile_choice():
+    """SHAPES (and the split-backward case's 150 x 1100) give every tile choice the library
+    reports a full query tile plus a partial one, and two key tiles plus a partial one."""
+    rows, key_tiles = _tile_choices()
+    assert rows > 0 and key_tiles, (rows, key_tiles)
+    for name, (L, S) in [*SHAPES.items(), ("split_backward", (150, 1100))]:
+        assert L > rows and L % rows != 0, f"{name}: L = {L} against {rows}-row query tiles"
+        for kv in key_tiles:
+            assert S > 2 * kv and S % kv != 0, f"{name}: S = {S} against {kv}-key tiles"
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

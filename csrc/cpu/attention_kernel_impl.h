@@ -7,7 +7,7 @@
 //
 // Method (FlashAttention-2 on the CPU): an ISA-neutral driver over a small
 // products class. The queries are cut into blocks of rows and the keys into
-// blocks (see BlockSizes below); one forward task is one (batch, head, query
+// blocks (BlockSizes, in kernels.h); one forward task is one (batch, head, query
 // block). For each key block the products class computes the scores S, the
 // driver masks them and updates the running row max and row sum (online
 // softmax), and the products class adds P V into an output tile kept in the
@@ -32,7 +32,6 @@
 #include <type_traits>
 #include <vector>
 
-#include <unistd.h>  // sysconf: the L2 size
 #if defined(__x86_64__) || defined(_M_X64)
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr: FlushSubnormals
 #endif
@@ -70,40 +69,7 @@ constexpr int kGemmVecs = 4;
 constexpr int kGemmVecs = 2;
 #endif
 
-// Tile sizes, in one place. A forward task keeps a (q x kv) score tile, the
-// packed K^T and V panels of its key block, and its Q and output rows in the
-// core's L2; kv is the widest of 512, 256, 128 keys whose working set takes at
-// most half the L2 (this Xeon has 2 MiB per core: 512 keys; a Zen 3 EPYC
-// 512 KiB: 256 keys at head dim 64). 64-row query blocks keep the causal
-// diagonal's masked part small. The backward keeps more per key block (K, K^T,
-// V^T, P, dS and the dK, dV sums): 64 x 256, halved to 128 keys likewise.
-struct BlockSizes {
-  int64_t q;   // query rows per tile
-  int64_t kv;  // keys per tile
-};
-constexpr int64_t kMaxQTile = 64;
-
-inline int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
-    return l2 > 0 ? int64_t(l2) : int64_t(512) << 10;
-  }();
-  return bytes;
-}
-
-inline BlockSizes forward_blocks(int64_t E, int64_t Ev) {
-  constexpr int64_t q = 64;
-  int64_t kv = 512;
-  while (kv > 128 && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
-  return BlockSizes{q, kv};
-}
-
-inline BlockSizes backward_blocks(int64_t E, int64_t Ev) {
-  constexpr int64_t q = 64;
-  int64_t kv = 256;
-  while (kv > 128 && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
-  return BlockSizes{q, kv};
-}
+// Tile sizes: BlockSizes, forward_blocks and backward_blocks in kernels.h (build_info reports them).
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

@@ -108,6 +108,10 @@ std::string kernel_info() {
   } catch (const c10::Error&) {
     os << "none (ATTN_EXT_CPU_ISA=" << requested_isa() << " is not usable)";
   }
+  // the tiles' bounds (forward_blocks / backward_blocks choose within them by the L2 size)
+  os << ";cpu_l2_bytes=" << l2_cache_bytes() << ";cpu_tile_rows=" << kMaxQTile << ";cpu_forward_tile_keys="
+     << kMinTileKeys << ".." << kMaxForwardKeys << ";cpu_backward_tile_keys=" << kMinTileKeys << ".."
+     << kMaxBackwardKeys;
   return os.str();
 }
 

@@ -8,11 +8,51 @@
 // widest one that this CPU runs and ATEN_CPU_CAPABILITY allows.
 #pragma once
 
+#include <cstdint>
 #include <string>
+
+#include <unistd.h>  // sysconf: the L2 size
 
 #include "../attention.h"
 
 namespace attn_ext::cpu {
+
+// Tile sizes, in one place (every variant's driver; build_info reports the bounds). A forward
+// task keeps a (q x kv) score tile, the packed K^T and V panels of its key block, and its Q and
+// output rows in the core's L2; kv is the widest of kMaxForwardKeys, half that, ... down to
+// kMinTileKeys keys whose working set takes at most half the L2 (this Xeon has 2 MiB per core:
+// 512 keys; a Zen 3 EPYC 512 KiB: 256 keys at head dim 64). 64-row query blocks keep the causal
+// diagonal's masked part small. The backward keeps more per key block (K, K^T, V^T, P, dS and
+// the dK, dV sums): 64 x kMaxBackwardKeys, halved likewise.
+struct BlockSizes {
+  int64_t q;   // query rows per tile
+  int64_t kv;  // keys per tile
+};
+constexpr int64_t kMaxQTile = 64;
+constexpr int64_t kMaxForwardKeys = 512, kMaxBackwardKeys = 256, kMinTileKeys = 128;
+
+inline int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
+    return l2 > 0 ? int64_t(l2) : int64_t(512) << 10;
+  }();
+  return bytes;
+}
+
+inline BlockSizes forward_blocks(int64_t E, int64_t Ev) {
+  constexpr int64_t q = kMaxQTile;
+  int64_t kv = kMaxForwardKeys;
+  while (kv > kMinTileKeys && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
+  return BlockSizes{q, kv};
+}
+
+inline BlockSizes backward_blocks(int64_t E, int64_t Ev) {
+  constexpr int64_t q = kMaxQTile;
+  int64_t kv = kMaxBackwardKeys;
+  while (kv > kMinTileKeys && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2)
+    kv /= 2;
+  return BlockSizes{q, kv};
+}
 
 using ForwardFn = void (*)(const AttnParams& params);
 using BackwardFn = void (*)(const AttnBwdParams& params);
@@ -58,7 +98,8 @@ bool cpu_supports(const std::string& isa);
 // when that names a variant this build lacks or this CPU cannot run).
 const CpuKernels& active_kernels();
 
-// "cpu_isas=...;cpu_isas_supported=...;cpu_isa_active=...": for build_info.
+// "cpu_isas=...;cpu_isas_supported=...;cpu_isa_active=...;cpu_l2_bytes=...;cpu_tile_rows=64;
+// cpu_forward_tile_keys=128..512;cpu_backward_tile_keys=128..256": for build_info.
 std::string kernel_info();
 
 void attention_forward(const AttnParams& params);

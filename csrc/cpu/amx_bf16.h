@@ -406,27 +406,38 @@ inline void convert_rows_to_bf16(uint16_t* dst, int64_t ldd, const float* src, i
   }
 }
 
+namespace detail {
+
+// For 16 x 16 blocks of src (M x K fp32, row stride lds; rows M..Mp read as 0): store(k, m0, mask, x)
+// with x = src[m0 .. m0 + 16)[k] (zero past M) and mask the lanes m0 + i < Mp, for k < K.
+template <typename Store>
+inline void transposed_blocks(const float* src, int64_t lds, int64_t M, int64_t K, int64_t Mp, Store&& store) {
+  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+    const __mmask16 store_mask = mask16(Mp - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
+      const __mmask16 m = mask16(K - k0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
+                          : _mm512_setzero_si512();
+      transpose16x16_epi32(r);
+      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
+      for (int64_t j = 0; j < rows; ++j) store(k0 + j, m0, store_mask, _mm512_castsi512_ps(r[j]));
+    }
+  }
+}
+
+}  // namespace detail
+
 // Transposing conversion: dst[k][m] = bf16(src[m][k]) for k < K, m < M; dst[k][m] = 0 for M <= m < Mp.
 // Rows k >= K of dst are not written. src: M x K fp32, row stride lds; dst: K rows, row stride ldd >= Mp.
 // (For P^T and dS^T as the A operand of gemm: pad Mp to a multiple of 32.) Rounding as convert_rows_to_bf16.
 inline void convert_transposed_to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M,
                                        int64_t K, int64_t Mp) {
   assert(Mp >= M && ldd >= Mp);
-  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-    const __mmask16 store_mask = detail::mask16(Mp - m0);
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
-      const __mmask16 m = detail::mask16(K - k0);
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
-                          : _mm512_setzero_si512();
-      detail::transpose16x16_epi32(r);
-      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
-      for (int64_t j = 0; j < rows; ++j)
-        _mm256_mask_storeu_epi16(dst + (k0 + j) * ldd + m0, store_mask,
-                                 detail::cvt_bf16(_mm512_castsi512_ps(r[j])));
-    }
-  }
+  detail::transposed_blocks(src, lds, M, K, Mp, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
+    _mm256_mask_storeu_epi16(dst + k * ldd + m0, mask, detail::cvt_bf16(x));
+  });
 }
 
 // bf16 copy with column padding: dst[m][k] = src[m][k] for k < K, 0 for K <= k < Kp; rows >= M not written.
@@ -496,24 +507,12 @@ inline void split_rows_from_f32(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t
 inline void split_transposed_from_f32(uint16_t* hi, uint16_t* lo, int64_t ldd, const float* src, int64_t lds,
                                       int64_t M, int64_t K, int64_t Mp) {
   assert(Mp >= M && ldd >= Mp);
-  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-    const __mmask16 store_mask = detail::mask16(Mp - m0);
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
-      const __mmask16 m = detail::mask16(K - k0);
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
-                          : _mm512_setzero_si512();
-      detail::transpose16x16_epi32(r);
-      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
-      for (int64_t j = 0; j < rows; ++j) {
-        __m256i h, l;
-        detail::split_bf16(_mm512_castsi512_ps(r[j]), h, l);
-        _mm256_mask_storeu_epi16(hi + (k0 + j) * ldd + m0, store_mask, h);
-        _mm256_mask_storeu_epi16(lo + (k0 + j) * ldd + m0, store_mask, l);
-      }
-    }
-  }
+  detail::transposed_blocks(src, lds, M, K, Mp, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
+    __m256i h, l;
+    detail::split_bf16(x, h, l);
+    _mm256_mask_storeu_epi16(hi + k * ldd + m0, mask, h);
+    _mm256_mask_storeu_epi16(lo + k * ldd + m0, mask, l);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------

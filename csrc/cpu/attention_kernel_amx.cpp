@@ -41,6 +41,23 @@ ARows a_operand(uint16_t* buf, const Bf16* rows, int64_t ld, int64_t m, int64_t 
   return ARows{buf, Kp};
 }
 
+// Row i of head h of batch b of a float16 tensor, as raw bits.
+const uint16_t* half_rows(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
+  return reinterpret_cast<const uint16_t*>(row_at<c10::Half>(base, stride, b, h, i));
+}
+
+// Rows [0, m) of a float16 matrix x (`width` columns, row stride ldx) as split bfloat16 A rows
+// [Xh | Xh | Xl | Xl] (amx_bf16.h; each part w32 wide, zero past width), zero in rows m..mp.
+void split_a_rows(uint16_t* a, const uint16_t* x, int64_t ldx, int64_t m, int64_t mp, int64_t width, int64_t w32) {
+  const int64_t ld = 4 * w32;
+  amx::split_rows_from_f16(a, ld, a + 2 * w32, ld, x, ldx, m, width, w32);
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(a + r * ld + w32, a + r * ld, w32 * sizeof(uint16_t));
+    std::memcpy(a + r * ld + 3 * w32, a + r * ld + 2 * w32, w32 * sizeof(uint16_t));
+  }
+  zero_rows(a, ld, m, mp);
+}
+
 // fn(r0, rows, begin, end) for each block of `block` rows of the mp (padded) rows of a
 // band's tile whose columns (band_columns, widened to `align`) meet [c, c_end), with
 // [begin, end) what they share: the row blocks of the products over a band.
@@ -77,14 +94,14 @@ struct DotEngine {  // AVX512-BF16 dot products: no state
   }
 };
 
-// The forward's products on an engine's bfloat16 products (VecForwardProducts' interface). Q is
-// the A operand as bfloat16 rows, read in place where it needs no padding (a_operand),
-// unscaled: the driver applies the scale to the float32 scores (unscaled()). K^T and V of a
-// (batch, kv head) are packed once into VNNI panels of `panel` keys and kept while they fit
-// (PanelCache). Each row of P is rounded to bfloat16 for P V. Both products skip what lies
-// outside the query block's band (causal bound, window), Engine::kBandRows rows at a time.
+// What the forward's products on an engine (VecForwardProducts' interface) share: Q the A operand
+// as bfloat16 rows, unscaled (the driver applies the scale to the float32 scores, unscaled());
+// whole 16-row A tiles; keys 32 at a time; K^T and V of a (batch, kv head) packed once into VNNI
+// panels of `panel` keys (k_parts and v_parts bfloat16 values per element) and kept while they
+// fit (PanelCache); the engine's per-thread set-up. Both products skip what lies outside the query
+// block's band (causal bound, window), Engine::kBandRows rows at a time.
 template <class Engine>
-class Bf16ForwardProducts {
+class TileForwardBase {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;      // a C tile is 16 floats wide
@@ -92,42 +109,86 @@ class Bf16ForwardProducts {
   static constexpr int64_t kRowAlign = 16;  // query blocks are whole A tiles
   static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
 
-  Bf16ForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
+  int64_t out_ld() const { return Evp_; }
+  void bind(const AttnParams& p) { p_ = &p; }
+
+ protected:
+  TileForwardBase(const AttnParams& p, int64_t panel, int64_t k_parts, int64_t v_parts)
       : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), panel_(panel),
-        k_panel_(Ep_ / 2 * 2 * panel), v_panel_(panel / 2 * 2 * Evp_) {
+        k_panel_(k_parts * Ep_ * panel), v_panel_(v_parts * panel * Evp_) {
     cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), panel);
     cache_.on = (k_panel_ + v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
     const int64_t slots = cache_.on ? cache_.blocks : 1;
-    qa_.resize(q_block * Ep_);
-    pa_.resize(q_block * cols);
     kv_.resize(k_panel_ * slots);
     if (p.v != nullptr) vv_.resize(v_panel_ * slots);
     Engine::start();
   }
-  ~Bf16ForwardProducts() { Engine::stop(); }
+  ~TileForwardBase() { Engine::stop(); }
 
-  int64_t out_ld() const { return Evp_; }
-  void bind(const AttnParams& p) { p_ = &p; }
+  // The K^T (V) panel of kv head hk that starts at key j0 (on the panel grid); pack(dst, keys)
+  // fills it the first time (keys: those the panel holds).
+  template <class Pack>
+  uint16_t* k_panel(int64_t b, int64_t hk, int64_t j0, Pack&& pack) {
+    return panel(kv_, k_panel_, cache_.k, b, hk, j0, pack);
+  }
+  template <class Pack>
+  uint16_t* v_panel(int64_t b, int64_t hk, int64_t j0, Pack&& pack) {
+    return panel(vv_, v_panel_, cache_.v, b, hk, j0, pack);
+  }
 
-  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
+  void set_rows(int64_t m) {
     m_ = m;
     mp_ = round_up(m, 16);
-    q_ = a_operand(qa_.data(), q_rows, p_->q_stride[2], m, mp_, E_, Ep_);
+  }
+
+  static constexpr int64_t kBand = Engine::kBandRows;
+  const AttnParams* p_;
+  const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
+  int64_t m_ = 0, mp_ = 0;  // the query block's rows, and as whole A tiles
+
+ private:
+  template <class Pack>
+  uint16_t* panel(Buffer<uint16_t>& buf, int64_t size, std::vector<bool>& marks, int64_t b, int64_t hk, int64_t j0,
+                  Pack& pack) {
+    const int64_t slot = cache_.slot(b * p_->Hkv + hk, j0 / panel_);
+    uint16_t* dst = buf.data() + slot * size;
+    if (!cache_.packed(marks, slot)) {  // the whole panel, whatever part of it this query block sees
+      pack(dst, std::min(panel_, p_->S - j0));
+      cache_.mark(marks, slot);
+    }
+    return dst;
+  }
+
+  PanelCache cache_;
+  Buffer<uint16_t> kv_, vv_;
+};
+
+// bfloat16's forward products: Q read in place as A rows where it needs no padding (a_operand);
+// each row of P rounded to bfloat16 for P V.
+template <class Engine>
+class Bf16ForwardProducts : public TileForwardBase<Engine> {
+  using Base = TileForwardBase<Engine>;
+  using Base::E_, Base::Ep_, Base::Evp_, Base::kBand, Base::m_, Base::mp_, Base::p_, Base::panel_;
+
+ public:
+  Bf16ForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols) : Base(p, panel, 1, 1) {
+    qa_.resize(q_block * Ep_);
+    pa_.resize(q_block * cols);
+  }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    this->set_rows(m);
+    q_ = a_operand(qa_.data(), row_at<Bf16>(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], m, mp_, E_, Ep_);
   }
 
   // S = Q K[j0, j0 + n)^T, a product per panel (j0 on a panel boundary), each block of rows
   // over the columns of the panel its band holds (band_columns; the rest is left unwritten).
   void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t first) {
     for (int64_t c = 0; c < n; c += panel_) {
-      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
-      uint16_t* kv = kv_.data() + slot * k_panel_;
-      if (!cache_.packed(cache_.k, slot)) {
-        // The whole panel, whatever part of it this query block sees (the panel is reused).
+      const uint16_t* kv = this->k_panel(b, hk, j0 + c, [&](uint16_t* dst, int64_t keys) {
         const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0 + c);
-        amx::pack_vnni_from_transposed(kv, bits(k_tile), p_->k_stride[2], keys_in(j0 + c), E_, Ep_, panel_);
-        cache_.mark(cache_.k, slot);
-      }
+        amx::pack_vnni_from_transposed(dst, bits(k_tile), p_->k_stride[2], keys, E_, Ep_, panel_);
+      });
       const int64_t c_end = std::min(c + panel_, ld);  // the last panel's columns up to ld
       for_band_blocks(mp_, kBand, first, reach, n, 16, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
                                                                        int64_t end) {
@@ -149,13 +210,10 @@ class Bf16ForwardProducts {
     const int64_t n32 = round_up(n, 32);
     zero_rows(pa_.data(), n32, m_, mp_);  // rows 0..m come from take_p_row
     for (int64_t c = 0; c < n; c += panel_) {
-      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
-      uint16_t* vv = vv_.data() + slot * v_panel_;
-      if (!cache_.packed(cache_.v, slot)) {
+      const uint16_t* vv = this->v_panel(b, hk, j0 + c, [&](uint16_t* dst, int64_t keys) {
         const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0 + c);
-        amx::pack_vnni_from_rows(vv, bits(v_tile), p_->v_stride[2], keys_in(j0 + c), p_->Ev, panel_, Evp_);
-        cache_.mark(cache_.v, slot);
-      }
+        amx::pack_vnni_from_rows(dst, bits(v_tile), p_->v_stride[2], keys, p_->Ev, panel_, Evp_);
+      });
       const int64_t c_end = std::min(c + panel_, n32);
       for_band_blocks(mp_, kBand, first, reach, n, 32, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
                                                                        int64_t end) {
@@ -166,15 +224,8 @@ class Bf16ForwardProducts {
   }
 
  private:
-  static constexpr int64_t kBand = Engine::kBandRows;
-  int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
-
-  const AttnParams* p_;
-  const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
-  PanelCache cache_;
-  int64_t m_ = 0, mp_ = 0;
   ARows q_{};
-  Buffer<uint16_t> qa_, pa_, kv_, vv_;
+  Buffer<uint16_t> qa_, pa_;
 };
 
 // float16's forward products on the same engine, in split bfloat16 (amx_bf16.h): each float16
@@ -194,62 +245,35 @@ class Bf16ForwardProducts {
 // per lane to an fp32 FMA's one, so the seven products would take 3.5 instructions' worth
 // where avx512's kernels take 2 (reasoned, not measured: no Zen 4 at hand when this was written).
 template <class Engine>
-class HalfSplitForwardProducts {
- public:
-  using T = float;
-  static constexpr int64_t kCols = 16;
-  static constexpr int64_t kKeyAlign = 32;
-  static constexpr int64_t kRowAlign = 16;
-  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }  // S is Q K^T
+class HalfSplitForwardProducts : public TileForwardBase<Engine> {
+  using Base = TileForwardBase<Engine>;
+  using Base::E_, Base::Ep_, Base::Evp_, Base::kBand, Base::m_, Base::mp_, Base::p_, Base::panel_;
 
+ public:
   HalfSplitForwardProducts(const AttnParams& p, int64_t q_block, int64_t panel, int64_t cols)
-      : p_(&p), E_(p.E), Ep_(round_up(p.E, 32)), Evp_(round_up(std::max<int64_t>(p.Ev, 1), 16)), panel_(panel),
-        k_panel_(2 * Ep_ * panel), v_panel_(panel * Evp_) {
-    cache_.blocks = ceil_div(std::max<int64_t>(p.S, 1), panel);
-    cache_.on = (k_panel_ + 2 * v_panel_) * cache_.blocks * 2 <= kKeyCacheBytes;
-    const int64_t slots = cache_.on ? cache_.blocks : 1;
+      : Base(p, panel, 2, 2) {
     qa_.resize(q_block * 4 * Ep_);
     p_hi_.resize(q_block * cols);
     p_lo_.resize(q_block * cols);
     rows_.resize(panel * 2 * std::max(Ep_, Evp_));  // a panel's K rows split, or V's
-    kv_.resize(k_panel_ * slots);
-    if (p.v != nullptr) vv_.resize(2 * v_panel_ * slots);
-    Engine::start();
   }
-  ~HalfSplitForwardProducts() { Engine::stop(); }
-
-  int64_t out_ld() const { return Evp_; }
-  void bind(const AttnParams& p) { p_ = &p; }
 
   // A rows [Qh | Qh | Ql | Ql], zero past E in each part and in rows m..mp.
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    const int64_t ld = 4 * Ep_;
-    m_ = m;
-    mp_ = round_up(m, 16);
-    uint16_t* qa = qa_.data();
-    amx::split_rows_from_f16(qa, ld, qa + 2 * Ep_, ld, half_bits(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], m,
-                             E_, Ep_);
-    for (int64_t r = 0; r < m; ++r) {
-      std::memcpy(qa + r * ld + Ep_, qa + r * ld, Ep_ * sizeof(uint16_t));
-      std::memcpy(qa + r * ld + 3 * Ep_, qa + r * ld + 2 * Ep_, Ep_ * sizeof(uint16_t));
-    }
-    zero_rows(qa, ld, m, mp_);
+    this->set_rows(m);
+    split_a_rows(qa_.data(), half_rows(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], m, mp_, E_, Ep_);
   }
 
   void scores(float* st, int64_t ld, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach, int64_t first) {
     const int64_t K = 2 * Ep_, lda = 4 * Ep_;
     for (int64_t c = 0; c < n; c += panel_) {
-      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
-      uint16_t* kv = kv_.data() + slot * k_panel_;
-      if (!cache_.packed(cache_.k, slot)) {
-        const int64_t keys = keys_in(j0 + c);
-        uint16_t* rows = rows_.data();
+      const uint16_t* kv = this->k_panel(b, hk, j0 + c, [&](uint16_t* dst, int64_t keys) {
         // K's rows as [Kh | Kl] (the panel's K^T: [Kh; Kl])
-        amx::split_rows_from_f16(rows, K, rows + Ep_, K, half_bits(p_->k, p_->k_stride, b, hk, j0 + c),
+        uint16_t* rows = rows_.data();
+        amx::split_rows_from_f16(rows, K, rows + Ep_, K, half_rows(p_->k, p_->k_stride, b, hk, j0 + c),
                                  p_->k_stride[2], keys, E_, Ep_);
-        amx::pack_vnni_from_transposed(kv, rows, K, keys, K, K, panel_);
-        cache_.mark(cache_.k, slot);
-      }
+        amx::pack_vnni_from_transposed(dst, rows, K, keys, K, K, panel_);
+      });
       const int64_t c_end = std::min(c + panel_, ld);
       for_band_blocks(mp_, kBand, first, reach, n, 16, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
                                                                        int64_t end) {
@@ -269,23 +293,19 @@ class HalfSplitForwardProducts {
 
   void add_pv(float* ot, const float*, int64_t, int64_t b, int64_t hk, int64_t j0, int64_t n, int64_t reach,
               int64_t first) {
-    const int64_t n32 = round_up(n, 32);
+    const int64_t n32 = round_up(n, 32), vp = panel_ * Evp_;
     zero_rows(p_hi_.data(), n32, m_, mp_);
     zero_rows(p_lo_.data(), n32, m_, mp_);
     for (int64_t c = 0; c < n; c += panel_) {
-      const int64_t slot = cache_.slot(b * p_->Hkv + hk, (j0 + c) / panel_);
-      uint16_t* v_hi = vv_.data() + 2 * slot * v_panel_;
-      uint16_t* v_lo = v_hi + v_panel_;
-      if (!cache_.packed(cache_.v, slot)) {
-        const int64_t keys = keys_in(j0 + c);
+      const uint16_t* v_hi = this->v_panel(b, hk, j0 + c, [&](uint16_t* dst, int64_t keys) {
         uint16_t* hi = rows_.data();
-        uint16_t* lo = hi + panel_ * Evp_;
-        amx::split_rows_from_f16(hi, Evp_, lo, Evp_, half_bits(p_->v, p_->v_stride, b, hk, j0 + c),
+        uint16_t* lo = hi + vp;
+        amx::split_rows_from_f16(hi, Evp_, lo, Evp_, half_rows(p_->v, p_->v_stride, b, hk, j0 + c),
                                  p_->v_stride[2], keys, p_->Ev, Evp_);
-        amx::pack_vnni_from_rows(v_hi, hi, Evp_, keys, p_->Ev, panel_, Evp_);
-        amx::pack_vnni_from_rows(v_lo, lo, Evp_, keys, p_->Ev, panel_, Evp_);
-        cache_.mark(cache_.v, slot);
-      }
+        amx::pack_vnni_from_rows(dst, hi, Evp_, keys, p_->Ev, panel_, Evp_);
+        amx::pack_vnni_from_rows(dst + vp, lo, Evp_, keys, p_->Ev, panel_, Evp_);
+      });
+      const uint16_t* v_lo = v_hi + vp;
       const int64_t c_end = std::min(c + panel_, n32);
       for_band_blocks(mp_, kBand, first, reach, n, 32, c, c_end, [&](int64_t r0, int64_t rows, int64_t begin,
                                                                        int64_t end) {
@@ -301,17 +321,7 @@ class HalfSplitForwardProducts {
   }
 
  private:
-  static constexpr int64_t kBand = Engine::kBandRows;
-  int64_t keys_in(int64_t j0) const { return std::min(panel_, p_->S - j0); }
-  static const uint16_t* half_bits(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
-    return reinterpret_cast<const uint16_t*>(row_at<c10::Half>(base, stride, b, h, i));
-  }
-
-  const AttnParams* p_;
-  const int64_t E_, Ep_, Evp_, panel_, k_panel_, v_panel_;
-  PanelCache cache_;
-  int64_t m_ = 0, mp_ = 0;
-  Buffer<uint16_t> qa_, p_hi_, p_lo_, rows_, kv_, vv_;
+  Buffer<uint16_t> qa_, p_hi_, p_lo_, rows_;
 };
 
 // Decoding's products (VecForwardProducts' interface) for a query block of
@@ -369,15 +379,13 @@ class Bf16DotProducts {
   Buffer<uint16_t> qa_, pa_;
 };
 
-// The backward's products on an engine's bfloat16 products (VecBackwardProducts' interface). Q
-// and dO are kept unscaled as bfloat16 A rows and as VNNI panels (for dK and
-// dV, whose sums run over the query rows); K^T, V^T and K of a key block as
-// VNNI panels. Z^T, dS and dS^T are rounded to bfloat16 for their products.
-// S = Q K^T comes unscaled (the driver scales it); dQ and dK are stored times the scale.
-// Q and dO are read in place as A rows where they need no padding (a_operand); every
-// product skips the blocks outside the query block's band (narrow()).
+// What the backward's products on an engine (VecBackwardProducts' interface) share: S = Q K^T
+// comes unscaled (the driver scales it); dQ and dK are stored times the scale. A key block's
+// keys, narrowed to those the query block sees and of those to the band each row sees
+// (narrow()); every product skips the blocks outside it: the row blocks of S, dP and dQ
+// (for_row_blocks), the key blocks of dV and dK (for_key_blocks).
 template <class Engine>
-class Bf16BackwardProducts {
+class TileBackwardBase {
  public:
   using T = float;
   static constexpr int64_t kCols = 16;
@@ -386,49 +394,7 @@ class Bf16BackwardProducts {
   static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
   static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
 
-  Bf16BackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
-      : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
-        Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
-        from_probs_(p.dprobs != nullptr) {
-    const int64_t qb32 = round_up(q_block, 32);
-    k_t_.resize(Ep32_ * kv_block);
-    v_t_.resize(Evp32_ * kv_block);
-    k_r_.resize(kv_block * Ep16_);
-    q_a_.resize(q_block * Ep32_);
-    do_a_.resize(q_block * Evp32_);
-    q_r_.resize(qb32 * Ep16_);
-    do_r_.resize(qb32 * Evp16_);
-    t_a_.resize(kv_block * qb32);
-    d_a_.resize(q_block * kv_block);
-    Engine::start();
-  }
-  ~Bf16BackwardProducts() { Engine::stop(); }
-
   void bind(const AttnBwdParams& p) { p_ = &p; }
-
-  void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    narrow(n, -kOpenFirst, kOpenFirst);  // both sides open
-    ld16_ = n16_;  // the row stride of the driver's score tiles
-    const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
-    amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
-    amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_->k_stride[2], n, E_, kv_block_, Ep16_);
-    if (from_probs_) return;
-    const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0);
-    amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_->v_stride[2], n, Ev_, Evp32_, kv_block_);
-  }
-
-  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    m_ = m;
-    m16_ = round_up(m, 16);
-    m32_ = round_up(m, 32);
-    const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
-    q_ = a_operand(q_a_.data(), q_rows, p_->q_stride[2], m, m16_, E_, Ep32_);
-    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_->q_stride[2], m, E_, m32_, Ep16_);
-    if (from_probs_) return;
-    const Bf16* do_rows = row_at<Bf16>(p_->dout, p_->do_stride, b, h, i0);
-    do_ = a_operand(do_a_.data(), do_rows, p_->do_stride[2], m, m16_, Ev_, Evp32_);
-    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
-  }
 
   // The next products take only the first n keys of the loaded block (the query block sees no
   // more), and of those only the band row r sees, [first + r, reach + r) (band_columns), in
@@ -440,6 +406,96 @@ class Bf16BackwardProducts {
     n32_ = round_up(n, 32);
     reach_ = reach;
     first_ = first;
+  }
+
+ protected:
+  TileBackwardBase(const AttnBwdParams& p, int64_t kv_block)
+      : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
+        Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
+        from_probs_(p.dprobs != nullptr) {
+    Engine::start();
+  }
+  ~TileBackwardBase() { Engine::stop(); }
+
+  void start_key_block(int64_t n) {
+    narrow(n, -kOpenFirst, kOpenFirst);  // both sides open
+    ld16_ = n16_;  // the row stride of the driver's score tiles
+  }
+  void set_rows(int64_t m) {
+    m_ = m;
+    m16_ = round_up(m, 16);
+    m32_ = round_up(m, 32);
+  }
+
+  // fn(r0, rows, begin, end): each block of rows over the keys its band sees, widened to `align`.
+  template <class Fn>
+  void for_row_blocks(int64_t align, Fn&& fn) const {
+    for_band_blocks(m16_, kBand, first_, reach_, n_, align, 0, kAllColumns, fn);
+  }
+  // fn(c0, keys, begin, end): each block of keys over the rows [begin, end) that see it (32 at a time).
+  template <class Fn>
+  void for_key_blocks(Fn&& fn) const {
+    for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
+      const int64_t keys = std::min(kBand, n16_ - c0);
+      const KeyRange rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
+      if (rows.end > rows.begin) fn(c0, keys, rows.begin, rows.end);
+    }
+  }
+
+  static constexpr int64_t kBand = Engine::kBandRows;
+  const AttnBwdParams* p_;
+  const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
+  const bool from_probs_;
+  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
+};
+
+#define ATTN_EXT_TILE_BACKWARD_BASE                                                                          \
+  using Base = TileBackwardBase<Engine>;                                                                     \
+  using Base::E_, Base::Ev_, Base::Ep16_, Base::Ep32_, Base::Evp16_, Base::Evp32_, Base::kv_block_,           \
+      Base::from_probs_, Base::m_, Base::m16_, Base::m32_, Base::n_, Base::n16_, Base::n32_, Base::ld16_,     \
+      Base::p_
+
+// bfloat16's backward products: Q and dO kept unscaled as bfloat16 A rows (read in place where
+// they need no padding, a_operand) and as VNNI panels (for dK and dV, whose sums run over the
+// query rows); K^T, V^T and K of a key block as VNNI panels. Z^T, dS and dS^T are rounded to
+// bfloat16 for their products.
+template <class Engine>
+class Bf16BackwardProducts : public TileBackwardBase<Engine> {
+  ATTN_EXT_TILE_BACKWARD_BASE;
+
+ public:
+  Bf16BackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block) : Base(p, kv_block) {
+    const int64_t qb32 = round_up(q_block, 32);
+    k_t_.resize(Ep32_ * kv_block);
+    v_t_.resize(Evp32_ * kv_block);
+    k_r_.resize(kv_block * Ep16_);
+    q_a_.resize(q_block * Ep32_);
+    do_a_.resize(q_block * Evp32_);
+    q_r_.resize(qb32 * Ep16_);
+    do_r_.resize(qb32 * Evp16_);
+    t_a_.resize(kv_block * qb32);
+    d_a_.resize(q_block * kv_block);
+  }
+
+  void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
+    this->start_key_block(n);
+    const Bf16* k_tile = row_at<Bf16>(p_->k, p_->k_stride, b, hk, j0);
+    amx::pack_vnni_from_transposed(k_t_.data(), bits(k_tile), p_->k_stride[2], n, E_, Ep32_, kv_block_);
+    amx::pack_vnni_from_rows(k_r_.data(), bits(k_tile), p_->k_stride[2], n, E_, kv_block_, Ep16_);
+    if (from_probs_) return;
+    const Bf16* v_tile = row_at<Bf16>(p_->v, p_->v_stride, b, hk, j0);
+    amx::pack_vnni_from_transposed(v_t_.data(), bits(v_tile), p_->v_stride[2], n, Ev_, Evp32_, kv_block_);
+  }
+
+  void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
+    this->set_rows(m);
+    const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
+    q_ = a_operand(q_a_.data(), q_rows, p_->q_stride[2], m, m16_, E_, Ep32_);
+    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_->q_stride[2], m, E_, m32_, Ep16_);
+    if (from_probs_) return;
+    const Bf16* do_rows = row_at<Bf16>(p_->dout, p_->do_stride, b, h, i0);
+    do_ = a_operand(do_a_.data(), do_rows, p_->do_stride[2], m, m16_, Ev_, Evp32_);
+    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
   }
 
   void scores(float* st) { band_products(st, q_, Ep32_, k_t_.data()); }
@@ -455,8 +511,7 @@ class Bf16BackwardProducts {
   void add_dq(float* dq, const float* ds) {
     amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, ld16_, m_, n_, n32_);
     zero_rows(d_a_.data(), n32_, m_, m16_);
-    for_band_blocks(m16_, kBand, first_, reach_, n_, 32, 0, kAllColumns, [&](int64_t r0, int64_t rows,
-                                                                             int64_t begin, int64_t end) {
+    this->for_row_blocks(32, [&](int64_t r0, int64_t rows, int64_t begin, int64_t end) {
       Engine::gemm(rows, Ep16_, end - begin, d_a_.data() + r0 * n32_ + begin, n32_, k_r_.data() + begin * Ep16_,
                    2 * Ep16_, dq + r0 * Ep16_, Ep16_, true);
     });
@@ -468,28 +523,21 @@ class Bf16BackwardProducts {
   }
 
  private:
-  static constexpr int64_t kBand = Engine::kBandRows;
-
   // c (m16 x n16, row stride ld16) = a (m16 x K bf16 rows) bv (K x n16, a VNNI panel of the
   // block's keys), each block of rows over its band's columns only.
   void band_products(float* c, ARows a, int64_t K, const uint16_t* bv) {
-    for_band_blocks(m16_, kBand, first_, reach_, n_, 16, 0, kAllColumns, [&](int64_t r0, int64_t rows,
-                                                                             int64_t begin, int64_t end) {
+    this->for_row_blocks(16, [&](int64_t r0, int64_t rows, int64_t begin, int64_t end) {
       Engine::gemm(rows, end - begin, K, a.data + r0 * a.ld, a.ld, bv + 2 * begin, 2 * kv_block_,
                    c + r0 * ld16_ + begin, ld16_, false);
     });
   }
 
-  // c (n16 x N) += t_a y, y (m32 x N, a VNNI panel of the block's rows): each block of keys
-  // summed over the rows that see it (32 at a time).
+  // c (n16 x N) += t_a y, y (m32 x N, a VNNI panel of the block's rows).
   void key_products(float* c, int64_t N, const uint16_t* y) {
-    for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
-      const int64_t keys = std::min(kBand, n16_ - c0);
-      const KeyRange rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
-      if (rows.end > rows.begin)
-        Engine::gemm(keys, N, rows.end - rows.begin, t_a_.data() + c0 * m32_ + rows.begin, m32_,
-                     y + rows.begin * N, 2 * N, c + c0 * N, N, true);
-    }
+    this->for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
+      Engine::gemm(keys, N, end - begin, t_a_.data() + c0 * m32_ + begin, m32_, y + begin * N, 2 * N, c + c0 * N, N,
+                   true);
+    });
   }
 
   // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16): the A operand of dV and dK.
@@ -498,10 +546,6 @@ class Bf16BackwardProducts {
     zero_rows(t_a_.data(), m32_, n_, n16_);
   }
 
-  const AttnBwdParams* p_;
-  const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
-  const bool from_probs_;
-  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
   ARows q_{}, do_{};  // the query block's Q and dO rows as A operands
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
 };
@@ -514,19 +558,11 @@ class Bf16BackwardProducts {
 // product). Q and dO are also kept as VNNI panels of their rows (hi and lo), K as VNNI panels
 // of its rows, for the products whose sums run over rows or keys.
 template <class Engine>
-class HalfSplitBackwardProducts {
- public:
-  using T = float;
-  static constexpr int64_t kCols = 16;
-  static constexpr int64_t kKeyAlign = 32;
-  static float unscaled(const AttnParams& p) { return static_cast<float>(p.scale); }
-  static float dq_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
-  static float dk_scale(const AttnParams& p) { return static_cast<float>(p.scale); }
+class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
+  ATTN_EXT_TILE_BACKWARD_BASE;
 
-  HalfSplitBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block)
-      : p_(&p), E_(p.E), Ev_(p.Ev), Ep16_(round_up(std::max<int64_t>(p.E, 1), 16)), Ep32_(round_up(p.E, 32)),
-        Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
-        from_probs_(p.dprobs != nullptr) {
+ public:
+  HalfSplitBackwardProducts(const AttnBwdParams& p, int64_t q_block, int64_t kv_block) : Base(p, kv_block) {
     const int64_t qb32 = round_up(q_block, 32);
     rows_.resize(kv_block * 2 * std::max(Ep32_, Evp32_));
     k_t_.resize(2 * Ep32_ * kv_block);
@@ -543,48 +579,32 @@ class HalfSplitBackwardProducts {
     t_lo_.resize(kv_block * qb32);
     d_hi_.resize(q_block * kv_block);
     d_lo_.resize(q_block * kv_block);
-    Engine::start();
   }
-  ~HalfSplitBackwardProducts() { Engine::stop(); }
-
-  void bind(const AttnBwdParams& p) { p_ = &p; }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
-    narrow(n, -kOpenFirst, kOpenFirst);
-    ld16_ = n16_;
+    this->start_key_block(n);
     // K's rows split ([Kh | Kl], row stride 2 Ep32): the K^T panel [Kh; Kl] and K's rows as VNNI panels
     const int64_t kw = 2 * Ep32_;
     uint16_t* rows = rows_.data();
-    amx::split_rows_from_f16(rows, kw, rows + Ep32_, kw, half_bits(p_->k, p_->k_stride, b, hk, j0), p_->k_stride[2],
+    amx::split_rows_from_f16(rows, kw, rows + Ep32_, kw, half_rows(p_->k, p_->k_stride, b, hk, j0), p_->k_stride[2],
                              n, E_, Ep32_);
     amx::pack_vnni_from_transposed(k_t_.data(), rows, kw, n, kw, kw, kv_block_);
     amx::pack_vnni_from_rows(k_rh_.data(), rows, kw, n, E_, kv_block_, Ep16_);
     amx::pack_vnni_from_rows(k_rl_.data(), rows + Ep32_, kw, n, E_, kv_block_, Ep16_);
     if (from_probs_) return;
     const int64_t vw = 2 * Evp32_;
-    amx::split_rows_from_f16(rows, vw, rows + Evp32_, vw, half_bits(p_->v, p_->v_stride, b, hk, j0),
+    amx::split_rows_from_f16(rows, vw, rows + Evp32_, vw, half_rows(p_->v, p_->v_stride, b, hk, j0),
                              p_->v_stride[2], n, Ev_, Evp32_);
     amx::pack_vnni_from_transposed(v_t_.data(), rows, vw, n, vw, vw, kv_block_);
   }
 
   void load_q(int64_t b, int64_t h, int64_t i0, int64_t m) {
-    m_ = m;
-    m16_ = round_up(m, 16);
-    m32_ = round_up(m, 32);
-    load_rows(q_a_.data(), q_rh_.data(), q_rl_.data(), half_bits(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], E_,
+    this->set_rows(m);
+    load_rows(q_a_.data(), q_rh_.data(), q_rl_.data(), half_rows(p_->q, p_->q_stride, b, h, i0), p_->q_stride[2], E_,
               Ep32_, Ep16_);
     if (from_probs_) return;
-    load_rows(do_a_.data(), do_rh_.data(), do_rl_.data(), half_bits(p_->dout, p_->do_stride, b, h, i0),
+    load_rows(do_a_.data(), do_rh_.data(), do_rl_.data(), half_rows(p_->dout, p_->do_stride, b, h, i0),
               p_->do_stride[2], Ev_, Evp32_, Evp16_);
-  }
-
-  // As Bf16BackwardProducts::narrow.
-  void narrow(int64_t n, int64_t reach, int64_t first) {
-    n_ = n;
-    n16_ = round_up(n, 16);
-    n32_ = round_up(n, 32);
-    reach_ = reach;
-    first_ = first;
   }
 
   void scores(float* st) { band_products(st, q_a_.data(), Ep32_, k_t_.data()); }
@@ -601,8 +621,7 @@ class HalfSplitBackwardProducts {
     amx::split_rows_from_f32(d_hi_.data(), n32_, d_lo_.data(), n32_, ds, ld16_, m_, n_, n32_);
     zero_rows(d_hi_.data(), n32_, m_, m16_);
     zero_rows(d_lo_.data(), n32_, m_, m16_);
-    for_band_blocks(m16_, kBand, first_, reach_, n_, 32, 0, kAllColumns, [&](int64_t r0, int64_t rows,
-                                                                             int64_t begin, int64_t end) {
+    this->for_row_blocks(32, [&](int64_t r0, int64_t rows, int64_t begin, int64_t end) {
       const int64_t at = r0 * n32_ + begin;
       const uint16_t* kh = k_rh_.data() + begin * Ep16_;
       const uint16_t* kl = k_rl_.data() + begin * Ep16_;
@@ -619,32 +638,20 @@ class HalfSplitBackwardProducts {
   }
 
  private:
-  static constexpr int64_t kBand = Engine::kBandRows;
-  static const uint16_t* half_bits(const void* base, const int64_t (&stride)[4], int64_t b, int64_t h, int64_t i) {
-    return reinterpret_cast<const uint16_t*>(row_at<c10::Half>(base, stride, b, h, i));
-  }
-
   // The block's rows of X (Q or dO, `width` columns): a (m16 x 4 w32) = [Xh | Xh | Xl | Xl] and
   // X's rows as VNNI panels rh, rl (m32 x w16).
   void load_rows(uint16_t* a, uint16_t* rh, uint16_t* rl, const uint16_t* x, int64_t ldx, int64_t width,
                  int64_t w32, int64_t w16) {
-    const int64_t ld = 4 * w32;
-    amx::split_rows_from_f16(a, ld, a + 2 * w32, ld, x, ldx, m_, width, w32);
-    for (int64_t r = 0; r < m_; ++r) {
-      std::memcpy(a + r * ld + w32, a + r * ld, w32 * sizeof(uint16_t));
-      std::memcpy(a + r * ld + 3 * w32, a + r * ld + 2 * w32, w32 * sizeof(uint16_t));
-    }
-    zero_rows(a, ld, m_, m16_);
-    amx::pack_vnni_from_rows(rh, a, ld, m_, width, m32_, w16);
-    amx::pack_vnni_from_rows(rl, a + 2 * w32, ld, m_, width, m32_, w16);
+    split_a_rows(a, x, ldx, m_, m16_, width, w32);
+    amx::pack_vnni_from_rows(rh, a, 4 * w32, m_, width, m32_, w16);
+    amx::pack_vnni_from_rows(rl, a + 2 * w32, 4 * w32, m_, width, m32_, w16);
   }
 
   // c (m16 x n16, row stride ld16) = a bv over 4 w32 columns (two products over [Xh | Xh] and
   // [Xl | Xl] against a [Yh; Yl] panel), each block of rows over its band's columns only.
   void band_products(float* c, const uint16_t* a, int64_t w32, const uint16_t* bv) {
     const int64_t K = 2 * w32, lda = 4 * w32;
-    for_band_blocks(m16_, kBand, first_, reach_, n_, 16, 0, kAllColumns, [&](int64_t r0, int64_t rows,
-                                                                             int64_t begin, int64_t end) {
+    this->for_row_blocks(16, [&](int64_t r0, int64_t rows, int64_t begin, int64_t end) {
       const uint16_t* ar = a + r0 * lda;
       float* cr = c + r0 * ld16_ + begin;
       Engine::gemm(rows, end - begin, K, ar, lda, bv + 2 * begin, 2 * kv_block_, cr, ld16_, false);
@@ -654,16 +661,13 @@ class HalfSplitBackwardProducts {
 
   // c (n16 x N) += t y over the rows that see each block of keys: th yh + tl yh + th yl.
   void key_products(float* c, int64_t N, const uint16_t* yh, const uint16_t* yl) {
-    for (int64_t c0 = 0; c0 < n16_; c0 += kBand) {
-      const int64_t keys = std::min(kBand, n16_ - c0);
-      const KeyRange rows = band_rows(first_, reach_, c0, c0 + keys, m_, 32);
-      if (rows.end <= rows.begin) continue;
-      const int64_t at = c0 * m32_ + rows.begin, depth = rows.end - rows.begin;
+    this->for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
+      const int64_t at = c0 * m32_ + begin, depth = end - begin;
       float* cr = c + c0 * N;
-      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yh + rows.begin * N, 2 * N, cr, N, true);
-      Engine::gemm(keys, N, depth, t_lo_.data() + at, m32_, yh + rows.begin * N, 2 * N, cr, N, true);
-      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yl + rows.begin * N, 2 * N, cr, N, true);
-    }
+      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yh + begin * N, 2 * N, cr, N, true);
+      Engine::gemm(keys, N, depth, t_lo_.data() + at, m32_, yh + begin * N, 2 * N, cr, N, true);
+      Engine::gemm(keys, N, depth, t_hi_.data() + at, m32_, yl + begin * N, 2 * N, cr, N, true);
+    });
   }
 
   // t = split(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16).
@@ -673,13 +677,10 @@ class HalfSplitBackwardProducts {
     zero_rows(t_lo_.data(), m32_, n_, n16_);
   }
 
-  const AttnBwdParams* p_;
-  const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
-  const bool from_probs_;
-  int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
   Buffer<uint16_t> rows_, k_t_, v_t_, k_rh_, k_rl_, q_a_, do_a_, q_rh_, q_rl_, do_rh_, do_rl_, t_hi_, t_lo_, d_hi_,
       d_lo_;
 };
+#undef ATTN_EXT_TILE_BACKWARD_BASE
 
 // Calls of up to kDotRows query rows per block: decoding steps (a grouped-query
 // step's group as rows, a few speculative tokens). See dots_suit.

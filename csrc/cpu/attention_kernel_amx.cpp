@@ -692,13 +692,18 @@ constexpr int64_t kDotRows = 8;
 // 2.5-2.8 ms forward on avx512's kernels (every key and value row converted to
 // float32) against 0.6 ms for 16 rows on the products. The packing reads rows
 // with contiguous columns.
-bool products_suit(const AttnParams& p) {
-  return p.dtype == DType::BFloat16 && p.L > kDotRows && p.E > 0 && p.q_stride[3] == 1 && p.k_stride[3] == 1 &&
-         (p.v == nullptr || p.v_stride[3] == 1);
+// The tile products' packing reads rows with contiguous columns (Q, K, V; and dO).
+bool rows_contiguous(const AttnParams& p) {
+  return p.E > 0 && p.q_stride[3] == 1 && p.k_stride[3] == 1 && (p.v == nullptr || p.v_stride[3] == 1);
+}
+bool rows_contiguous(const AttnBwdParams& p) {
+  return rows_contiguous(static_cast<const AttnParams&>(p)) && (p.dout == nullptr || p.do_stride[3] == 1);
 }
 
+bool products_suit(const AttnParams& p) { return p.dtype == DType::BFloat16 && p.L > kDotRows && rows_contiguous(p); }
+
 bool products_suit(const AttnBwdParams& p) {
-  return products_suit(static_cast<const AttnParams&>(p)) && p.S > 0 && (p.dout == nullptr || p.do_stride[3] == 1);
+  return p.dtype == DType::BFloat16 && p.L > kDotRows && p.S > 0 && rows_contiguous(p);
 }
 
 // Decoding steps (up to kDotRows rows) read keys and values in place; the
@@ -712,16 +717,16 @@ bool dots_suit(const AttnParams& p) {
 }
 
 // float16 forwards on the tiles (HalfSplitForwardProducts) from a tile of query rows, two of
-// keys and 8192 (query, key) pairs per head on, with contiguous rows (as products_suit); the
+// keys and 8192 (query, key) pairs per head on, with contiguous rows (rows_contiguous); the
 // rest keeps avx512's kernels. Below that, splitting and packing each key
 // panel and padding to whole tiles cost more than the products save. Measured on the Xeon
 // (float16 forward, 8 heads, E = 64, 2 threads, ms, tiles / avx512's kernels): L = S = 1024
-// (B = 4) 1.9x faster; L = S = 128 1.21 / 1.39; L = 16, S = 2048 2.1-2.3 / 2.8-2.9;
+// (B = 4) 1.4-1.7x faster (224-234 / 141-156 GFLOP/s); L = S = 128 1.21 / 1.34-1.44;
+// L = 16, S = 2048 2.1-2.3 / 2.8-2.9;
 // L = 256, S = 32 4.9-5.5 / 4.9-5.0; L = S = 64 1.84-1.89 / 1.75-1.91; L = 256, S = 16
 // 4.9-5.0 / 3.8-3.9; L = S = 16 1.78 / 1.52-1.63; L = S = 9 1.40-1.44 / 0.87-0.91.
 bool half_products_suit(const AttnParams& p) {
-  return p.dtype == DType::Float16 && p.L >= 16 && p.S >= 32 && p.L * p.S >= 8192 && p.E > 0 &&
-         p.q_stride[3] == 1 && p.k_stride[3] == 1 && (p.v == nullptr || p.v_stride[3] == 1);
+  return p.dtype == DType::Float16 && p.L >= 16 && p.S >= 32 && p.L * p.S >= 8192 && rows_contiguous(p);
 }
 
 // The backward packs each key block (K^T, K's rows, V^T, hi and lo) for the query rows that see it:
@@ -730,8 +735,7 @@ bool half_products_suit(const AttnParams& p) {
 // 13.6-13.7; L = 64, S = 128 9.9-10.3 / 11.7-11.9; L = 128, S = 64 11.7 / 12.6-13.3; L = 16,
 // S = 600 27-30 / 26; L = 256, S = 32 17-20 / 18; at 4 x 8 x 1024 x 64 1.8x faster.
 bool half_products_suit(const AttnBwdParams& p) {
-  return half_products_suit(static_cast<const AttnParams&>(p)) && p.L >= 64 && p.S >= 64 &&
-         (p.dout == nullptr || p.do_stride[3] == 1);
+  return half_products_suit(static_cast<const AttnParams&>(p)) && p.L >= 64 && p.S >= 64 && rows_contiguous(p);
 }
 
 template <class Engine>

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>  // sysconf: the L2 size
+
 #include <ATen/Version.h>  // at::get_cpu_capability
 #include <c10/util/Exception.h>
 
@@ -45,6 +47,29 @@ std::string names(bool supported_only) {
 }
 
 }  // namespace
+
+int64_t l2_cache_bytes() {
+  static const int64_t bytes = [] {
+    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
+    return l2 > 0 ? int64_t(l2) : int64_t(512) << 10;
+  }();
+  return bytes;
+}
+
+BlockSizes forward_blocks(int64_t E, int64_t Ev) {
+  constexpr int64_t q = kMaxQTile;
+  int64_t kv = kMaxForwardKeys;
+  while (kv > kMinTileKeys && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
+  return BlockSizes{q, kv};
+}
+
+BlockSizes backward_blocks(int64_t E, int64_t Ev) {
+  constexpr int64_t q = kMaxQTile;
+  int64_t kv = kMaxBackwardKeys;
+  while (kv > kMinTileKeys && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2)
+    kv /= 2;
+  return BlockSizes{q, kv};
+}
 
 bool register_cpu_kernels(const CpuKernels& kernels) {
   auto& t = table();

@@ -11,8 +11,6 @@
 #include <cstdint>
 #include <string>
 
-#include <unistd.h>  // sysconf: the L2 size
-
 #include "../attention.h"
 
 namespace attn_ext::cpu {
@@ -31,28 +29,11 @@ struct BlockSizes {
 constexpr int64_t kMaxQTile = 64;
 constexpr int64_t kMaxForwardKeys = 512, kMaxBackwardKeys = 256, kMinTileKeys = 128;
 
-inline int64_t l2_cache_bytes() {
-  static const int64_t bytes = [] {
-    const long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);  // 0 or -1 where the OS does not say
-    return l2 > 0 ? int64_t(l2) : int64_t(512) << 10;
-  }();
-  return bytes;
-}
-
-inline BlockSizes forward_blocks(int64_t E, int64_t Ev) {
-  constexpr int64_t q = kMaxQTile;
-  int64_t kv = kMaxForwardKeys;
-  while (kv > kMinTileKeys && (q * kv + kv * (E + Ev) + q * (E + Ev)) * 4 > l2_cache_bytes() / 2) kv /= 2;
-  return BlockSizes{q, kv};
-}
-
-inline BlockSizes backward_blocks(int64_t E, int64_t Ev) {
-  constexpr int64_t q = kMaxQTile;
-  int64_t kv = kMaxBackwardKeys;
-  while (kv > kMinTileKeys && (3 * q * kv + kv * 3 * (E + Ev) + 2 * q * (E + Ev)) * 4 > l2_cache_bytes() / 2)
-    kv /= 2;
-  return BlockSizes{q, kv};
-}
+// Defined in dispatch.cpp, compiled once without the variants' ISA flags (the variants' units
+// call them; an inline definition here would be compiled under every unit's flags).
+int64_t l2_cache_bytes();  // per core; 512 KiB where the OS does not say
+BlockSizes forward_blocks(int64_t E, int64_t Ev);
+BlockSizes backward_blocks(int64_t E, int64_t Ev);
 
 using ForwardFn = void (*)(const AttnParams& params);
 using BackwardFn = void (*)(const AttnBwdParams& params);

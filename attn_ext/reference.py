@@ -197,10 +197,16 @@ def _probs_and_lse(scores, visible):
     # backward) never see -inf - (-inf); the torch.where below zeroes those rows and
     # sends them zero gradient.
     safe_scores = torch.where(row_has_key, scores, torch.zeros_like(scores))
-    safe_lse = torch.logsumexp(safe_scores, dim=-1, keepdim=True)
-    probs = torch.where(
-        row_has_key, torch.exp(safe_scores - safe_lse), torch.zeros_like(scores)
-    )
+    # The row max first, then exp and the sum: exp(s - lse) would lose the sum where
+    # lse is too large for log(sum) to change it (a float mask of finfo.min on every
+    # key: such a row averages its keys). Both results are independent of the max,
+    # so it takes no gradient.
+    row_max = (safe_scores.detach().amax(dim=-1, keepdim=True) if scores.size(-1) > 0
+               else safe_scores.new_zeros(scores.shape[:-1] + (1,)))  # no key at all
+    weights = torch.exp(safe_scores - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    safe_lse = row_max + torch.log(total)
+    probs = torch.where(row_has_key, weights / total, torch.zeros_like(scores))
     lse = torch.where(
         row_has_key, safe_lse, torch.full_like(safe_lse, float("-inf"))
     ).squeeze(-1)

@@ -566,6 +566,31 @@ def test_slots_past_the_cut_are_never_read(device):
         assert torch.equal(clean, poisoned), name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_ids)
+def test_only_neg_inf_hides_a_key_of_a_float_mask(device, dtype):
+    """-inf hides a key, any finite bias does not, however large: a row biased by
+    finfo.min on every key (transformers' eager masks) averages the values as torch
+    SDPA does (its base-2 shift overflowed to NaN before), and a row hidden by
+    finfo.min on some keys still sees the rest. A row of -inf gives 0 (DESIGN.md),
+    where SDPA gives NaN."""
+    q, k, v = make_qkv(1, 2, 2, 6, 70, 16, 16, dtype, device, seed=31)
+    low = torch.finfo(dtype).min
+    mask = torch.zeros(6, 70, dtype=dtype)
+    mask[:, 50:] = float("-inf")  # no row but 1 sees keys 50..69: cut
+    mask[1] = low
+    mask[2] = float("-inf")
+    mask[3, :20] = low
+    mask[4, 5:9] = float("-inf")  # a hole: the mask is kept
+    mask = mask.to(device)
+    check_forward(q, k, v, mask, {})
+    out = sdpa(q, k, v, mask)
+    torch.testing.assert_close(out[0, :, 1].float(), v.float().mean(-2)[0], rtol=0.02, atol=0.02)
+    assert (out[0, :, 2] == 0).all()
+    expect = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask.double())
+    torch.testing.assert_close(out[0, :, [0, 1, 3, 4, 5]].double(), expect[0, :, [0, 1, 3, 4, 5]],
+                               rtol=0.02, atol=0.02)
+
+
 def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):
     """Dropout draws by key index: a bool mask whose tail is hidden (cut) gives the same
     output and gradients as the same mask in float (-inf; not cut) under one seed."""

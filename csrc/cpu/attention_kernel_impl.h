@@ -497,12 +497,27 @@ inline T row_max(const T* s, int64_t n) {
 }
 
 // s = exp(s * mul - shift); returns the sum. -inf entries become 0. Two chains.
+// A shift (a row's max or lse) within a factor log2(e) of the float's lowest
+// value, whose base-2 form overflows to -inf, comes of a float mask of
+// finfo.min on every key the row sees (transformers' eager masks hide keys so):
+// the shift is taken first there, (s * mul - shift) * log2(e), so that such a
+// row averages its keys as torch's softmax does instead of giving NaN.
 template <typename T>
 inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
   using Exp = FastExp<T>;
   const T base = Exp::base2 ? T(1.4426950408889634) : T(1);  // log2(e) for 2^x
+  if (std::isinf(shift * base) && std::isfinite(shift)) {
+    const Vec a(mul), c(shift), b(base);
+    Vec acc(T(0));
+    for (int64_t j = 0; j < n; j += VS) {
+      const Vec e = Exp::apply(at::vec::fmsub(Vec::loadu(s + j), a, c) * b);
+      e.store(s + j);
+      acc = acc + e;
+    }
+    return hsum(acc);
+  }
   const Vec a(mul * base), c(shift * base);
   Vec acc0(T(0)), acc1(T(0));
   int64_t j = 0;

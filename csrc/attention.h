@@ -39,13 +39,13 @@ struct AttnParams {
   MaskKind mask_kind = MaskKind::None;
   const void* mask = nullptr;         // broadcast to (B, Hq, L, S) through its strides
   int64_t mask_stride[4] = {0, 0, 0, 0};
-  // CPU only: the keys that a bool mask hides from every row are left out
-  // (read_bool_mask in attention_cpu.cpp). Every row runs on keys [key_begin, S)
+  // CPU only: the keys that a mask hides from every row (bool false, float -inf)
+  // are left out (read_mask in attention_cpu.cpp). Every row runs on keys [key_begin, S)
   // at most; with batch_keys set (host memory), batch entry b runs on keys
   // [batch_keys[2 b], batch_keys[2 b + 1]) instead (SequenceViews).
   int64_t key_begin = 0;
   const int64_t* batch_keys = nullptr;  // (B, 2)
-  // CPU only, host memory: with a bool mask that varies by row, row i of batch
+  // CPU only, host memory: with a mask that varies by row, row i of batch
   // entry b sees no key outside [row_keys[r], row_keys[r + 1]) (r = b *
   // row_keys_stride + 2 i; empty when the row sees none), which bounds the key
   // tiles a query block visits, the query rows a key block visits, and each

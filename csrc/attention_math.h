@@ -61,7 +61,7 @@ ATTN_HOST_DEVICE int64_t right_reach(const AttnParams& p) {
 }
 
 // Row i sees keys [begin, end) (causal bound, window, and the keys before
-// key_begin, which a bool mask hides from every row; an attn_mask may hide
+// key_begin, which the mask hides from every row; an attn_mask may hide
 // more of them). Both ends grow with i, so the keys of rows [i0, i1) lie in
 // [range(i0).begin, range(i1 - 1).end). begin == end: the row sees no key.
 struct KeyRange {

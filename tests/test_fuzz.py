@@ -4,7 +4,8 @@ and backward, against the float64 reference (attn_ext/reference.py).
 Hypothesis draws every argument together: shapes (1, odd, the kernels' tile
 boundaries +-1, zero-length), layouts of query, key and value (contiguous, transposed,
 a sliced last dim, a batch broadcast with stride 0), dtypes, masks of every broadcast shape
-(bool and additive float; bool ones with their last keys hidden from every row), causal
+(bool and additive float; bool ones with their first and last keys hidden from every
+row, in spans or bands, and the same patterns as float masks of -inf and 0 or a bias), causal
 alignments, windows, softcap, ALiBi, sinks, GQA, dropout and scale. Inputs are fresh random tensors from a drawn seed.
 
 Profiles (tests/conftest.py): "ci" (the default: 1 000 cases, 13 s alone on 2 cores) and
@@ -75,23 +76,28 @@ def calls(draw):
     case["isa"] = draw(st.sampled_from(_cpu_isas()))
     case["layouts"] = [draw(st.sampled_from(LAYOUTS)) for _ in range(3)]
     # a mask broadcast: each of (B, Hq, L, S) full or 1, leading ones maybe dropped
-    mask_kind = draw(st.sampled_from([None, None, "bool", "float"]))
+    # "neg_inf": a bool pattern as a float mask, -inf where it hides a key (which the CPU
+    # kernels read as the bool mask's ranges), 0 or a bias requiring grad where it shows one
+    mask_kind = draw(st.sampled_from([None, None, "bool", "float", "neg_inf"]))
     if mask_kind is not None:
         dims = [draw(st.booleans()) for _ in range(4)]
         shape = [n if full else 1 for n, full in zip((B, Hq, L, S), dims)]
         case["mask"] = (mask_kind, shape[draw(st.integers(0, 2)):])
-        if mask_kind == "bool" and dims[3] and S > 0 and draw(st.booleans()):
+        if mask_kind == "neg_inf":
+            case["mask_bias"] = draw(st.booleans())
+        pattern = mask_kind in ("bool", "neg_inf")
+        if pattern and dims[3] and S > 0 and draw(st.booleans()):
             # the first and last keys hidden from every row of a batch entry (a preallocated
             # cache, its entries' sequences at different lengths, left padding): the CPU
             # kernels leave them out, per entry
             entries = B if len(case["mask"][1]) == 4 and dims[0] else 1
             case["mask_tail"] = [draw(st.integers(0, S)) for _ in range(entries)]
             case["mask_head"] = [draw(st.integers(0, S)) for _ in range(entries)]
-        if mask_kind == "bool" and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
+        if pattern and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
             # each row sees one span of keys (causal-like, banded, documents): the CPU kernels
             # skip the key tiles a query block's spans miss
             case["mask_spans"] = draw(st.integers(1, S))  # the widest span
-        elif mask_kind == "bool" and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
+        elif pattern and dims[2] and dims[3] and S > 0 and draw(st.booleans()):
             # a band as a bool mask, row i seeing keys i + shift - left .. i + shift + right (a
             # side None: unbounded): the causal pattern, a sliding window, the CPU kernels run
             # it as those flags (or the causal bound beside the rows' ranges)
@@ -131,7 +137,7 @@ def _inputs(case):
     mask = None
     if "mask" in case:
         kind, shape = case["mask"]
-        if kind == "bool":
+        if kind in ("bool", "neg_inf"):
             mask = (torch.rand(shape, generator=gen) < 0.8).to(device)
             if case.get("mask_spans"):
                 start = torch.randint(0, S, (*shape[:-1], 1), generator=gen)
@@ -152,6 +158,10 @@ def _inputs(case):
                 entry = b if len(case["mask_tail"]) > 1 else slice(None)
                 mask[entry, ..., :head] = False
                 mask[entry, ..., S - tail:] = False
+            if kind == "neg_inf":
+                bias = torch.randn(shape, generator=gen) if case["mask_bias"] else torch.zeros(shape)
+                mask = bias.to(device).masked_fill(~mask, float("-inf")).to(dtype)
+                mask.requires_grad_(case["mask_bias"])
         else:
             mask = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
     if "alibi" in case:
@@ -194,7 +204,9 @@ def _check(case):
     if rmask is not None and rmask.requires_grad:
         full_mask = rmask.detach().expand(case["B"], case["Hq"], case["L"], case["S"]).clone()
         full_mask.requires_grad_(True)
-        ref_mask = rmask + (full_mask - full_mask.detach())  # rmask's values, both leaves' gradients
+        # rmask's values, both leaves' gradients (0 through full_mask where rmask is -inf,
+        # whose gradient is 0: -inf + (x - x) would be NaN there)
+        ref_mask = rmask + torch.where(torch.isinf(rmask.detach()), 0.0, full_mask - full_mask.detach())
     else:
         ref_mask = rmask
     ref, ref_lse = attention_reference(rq, rk, rv, ref_mask, dropout_p=p, dropout_mask=keep, **rkw)

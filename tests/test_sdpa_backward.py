@@ -221,6 +221,10 @@ GRADCHECK_PATHS = [
     "causal_bottom_right_L_gt_S", "causal_and_bool_mask", "causal_and_float_mask", "gqa",
     "gqa_float_mask", "dropout", "dropout_float_mask_causal", "return_lse",
     "return_lse_float_mask", "non_contiguous", "scale", "3d", "Ev_ne_E",
+    # float masks with -inf (read on the CPU as the keys they hide): 0 and -inf, a
+    # causal pattern over left padding (dropped, run as the flags); a bias with -inf
+    # above the diagonal, requiring grad (its ranges read, the mask kept)
+    "neg_inf_mask_as_flags", "neg_inf_bias_mask",
 ]
 
 
@@ -267,6 +271,13 @@ def _gradcheck_problem(path, device):
     elif path == "causal_and_float_mask":
         mask = make_mask("float", (1, 1, L, S), f64, device, seed, requires_grad=True)
         kw.update(is_causal=True, causal_alignment="bottom_right")
+    elif path in ("neg_inf_mask_as_flags", "neg_inf_bias_mask"):
+        rows, keys = torch.arange(L).view(L, 1), torch.arange(S).view(1, S)
+        hidden = (keys > rows + S - L) | (keys < torch.tensor([0, 2]).view(2, 1, 1, 1))  # (2, 1, L, S)
+        bias = torch.zeros(hidden.shape, dtype=f64)
+        if path == "neg_inf_bias_mask":
+            bias = make_mask("float", hidden.shape, f64, "cpu", seed)
+        mask = bias.masked_fill(hidden, float("-inf")).to(device).requires_grad_(path == "neg_inf_bias_mask")
     elif path == "dropout_float_mask_causal":
         mask = make_mask("float", (L, S), f64, device, seed, requires_grad=True)
         kw.update(is_causal=True, dropout_p=0.3)

@@ -60,60 +60,79 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-// The first and the last key that a bool mask row sets in [lo, hi) (keys
-// stride apart; a bool is one byte, 0 or 1): the index, or -1 when none is set.
-// A contiguous row is read 32 keys to a step, then 8, then one by one.
-int64_t first_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+// How a mask's elements read, as their bits U. A key is hidden by a bool
+// false (one byte, 0 or 1) or by a float -inf: exp(-inf) = 0 gives the key
+// weight exactly 0, as false does, so either is a key the row does not see.
+// A visible key is plain when the mask adds nothing to its score: a bool
+// true, or a float +0 / -0 (the bits but the sign 0).
+struct BoolBits {
+  using U = uint8_t;
+  static bool visible(U x) { return x != 0; }
+  static bool plain(U x) { return x != 0; }
+};
+template <typename Bits, Bits kNegInf>
+struct FloatBits {
+  using U = Bits;
+  static bool visible(U x) { return x != kNegInf; }
+  static bool plain(U x) { return static_cast<U>(x << 1) == 0; }
+};
+using HalfBits = FloatBits<uint16_t, 0xFC00>;      // float16
+using BFloat16Bits = FloatBits<uint16_t, 0xFF80>;  // bfloat16
+using FloatMaskBits = FloatBits<uint32_t, 0xFF800000u>;
+using DoubleBits = FloatBits<uint64_t, 0xFFF0000000000000ull>;
+
+// The first and the last key that a mask row shows in [lo, hi) (keys stride
+// apart): the index, or -1 when it shows none. A contiguous row is read 32 keys
+// to a step (a branch-free OR over them, which the compiler vectorises), then
+// one by one.
+template <class Bits>
+int64_t first_visible(const typename Bits::U* row, int64_t stride, int64_t lo, int64_t hi) {
   int64_t j = lo;
   if (stride == 1) {
-    for (uint64_t w[4]; j + 32 <= hi; j += 32) {
-      std::memcpy(w, row + j, 32);
-      if ((w[0] | w[1] | w[2] | w[3]) != 0) break;
-    }
-    for (uint64_t w; j + 8 <= hi; j += 8) {
-      std::memcpy(&w, row + j, 8);
-      if (w != 0) break;
+    for (; j + 32 <= hi; j += 32) {
+      unsigned any = 0;
+      for (int64_t t = 0; t < 32; ++t) any |= unsigned(Bits::visible(row[j + t]));
+      if (any != 0) break;
     }
   }
   for (; j < hi; ++j)
-    if (row[j * stride] != 0) return j;
+    if (Bits::visible(row[j * stride])) return j;
   return -1;
 }
 
-int64_t last_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+template <class Bits>
+int64_t last_visible(const typename Bits::U* row, int64_t stride, int64_t lo, int64_t hi) {
   int64_t j = hi;  // keys [lo, j) are still to look at
   if (stride == 1) {
-    for (uint64_t w[4]; j - 32 >= lo; j -= 32) {
-      std::memcpy(w, row + j - 32, 32);
-      if ((w[0] | w[1] | w[2] | w[3]) != 0) break;
-    }
-    for (uint64_t w; j - 8 >= lo; j -= 8) {
-      std::memcpy(&w, row + j - 8, 8);
-      if (w != 0) break;
+    for (; j - 32 >= lo; j -= 32) {
+      unsigned any = 0;
+      for (int64_t t = 0; t < 32; ++t) any |= unsigned(Bits::visible(row[j - 32 + t]));
+      if (any != 0) break;
     }
   }
   while (j > lo)
-    if (row[--j * stride] != 0) return j;
+    if (Bits::visible(row[--j * stride])) return j;
   return -1;
 }
 
-// Every key of [lo, hi) set (a bool is one byte, 0 or 1: four words ANDed are
-// all ones only when all 32 keys are).
-bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
+// Every key of [lo, hi) visible and plain: the mask row adds nothing there.
+template <class Bits>
+bool all_plain(const typename Bits::U* row, int64_t stride, int64_t lo, int64_t hi) {
   int64_t j = lo;
   if (stride == 1) {
-    constexpr uint64_t kOnes = 0x0101010101010101ull;
-    for (uint64_t w[4]; j + 32 <= hi; j += 32) {
-      std::memcpy(w, row + j, 32);
-      if ((w[0] & w[1] & w[2] & w[3]) != kOnes) return false;
+    for (; j + 32 <= hi; j += 32) {
+      unsigned odd = 0;
+      for (int64_t t = 0; t < 32; ++t) odd |= unsigned(!Bits::plain(row[j + t]));
+      if (odd != 0) return false;
     }
   }
   for (; j < hi; ++j)
-    if (row[j * stride] == 0) return false;
+    if (!Bits::plain(row[j * stride])) return false;
   return true;
 }
 
-// The keys that a bool attn_mask hides from every query row are left out: the
+// The keys that an attn_mask hides from every query row (bool false, or a
+// float mask's -inf: either gives the key weight exactly 0) are left out: the
 // kernels run on [key_begin, S) only, S cut after the last key some row sees
 // and key_begin at the first. A preallocated cache behind a mask of its written
 // slots (a static KV cache, as in gpt-fast or transformers' StaticCache under
@@ -132,16 +151,17 @@ bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 // range serves the batch. An entry whose rows see no key runs on key 0 alone.
 //
 // A mask that varies by query row (a causal or banded pattern as a bool mask,
-// packed documents' block-diagonal mask) is read row by row: cut.rows holds
+// or as a float mask of 0 and -inf such as nn.Transformer's
+// generate_square_subsequent_mask; packed documents' block-diagonal mask) is read row by row: cut.rows holds
 // each row's [first, last + 1) over the heads (AttnParams::row_keys), and a
 // forward query block visits only the key tiles its rows' ranges span, a
 // backward key block only the query rows whose ranges reach it. Tiles the mask
 // hides whole are then skipped as the causal flag's are.
 //
 // A mask that holds nothing but those ranges (every row's keys one unbroken
-// run, the same on every head: a key-padding or written-slots row, the causal
-// pattern, a band, documents) is not read by the kernels at all: it is dropped, and the
-// ranges stand for it (score_row bounds each row by its row_keys). Where the
+// run, the same on every head, and a float mask 0 on each: a key-padding or
+// written-slots row, the causal pattern, a band, documents) is not read by the
+// kernels at all: it is dropped, and the ranges stand for it (score_row bounds each row by its row_keys). Where the
 // rows' ranges follow a causal bound or a window (flags_from_ranges: the call
 // has none of its own), the kernels take those flags and skip what the flags
 // let them skip, the products past each micro-kernel row group's diagonal:
@@ -150,12 +170,15 @@ bool all_set(const uint8_t* row, int64_t stride, int64_t lo, int64_t hi) {
 //
 // The scan reads each row from its end backwards down to the last key found so
 // far, and from key 0 forwards up to the first; 32 keys to a step. It then
-// reads the keys between on each head (all_set) until a row breaks its run.
+// reads the keys between on each head (all_plain) until a row breaks its run.
 // The whole mask at most: O(mask), as the kernels' own reading of it. One key
 // row of 32768 slots with 1 written: about 2 us, 8 such rows about 9 us (AMD
 // EPYC Zen 4). A decoding step of 8 heads over a (1, 1, 1, 32768) mask of 4000
-// written slots: 4.2 ms as a float mask (not cut), 0.17 ms (float32). CPU only:
-// on CUDA the mask would have to be read on the host.
+// written slots: 4.2 ms when float masks were not read, 0.17 ms (float32).
+// Other large negative biases (transformers' finfo.min) are not -inf: a row
+// that sees nothing else averages those keys, so they are not hidden. Nor is a
+// float mask read for a backward that computes its gradient (which every
+// element gets). CPU only: on CUDA the mask would have to be read on the host.
 struct KeyCut {
   std::vector<int64_t> entries;  // (B, 2): each batch entry's keys, when they differ
   std::vector<int64_t> rows;     // (B or 1, L, 2): each query row's keys, when the mask varies by row
@@ -233,25 +256,23 @@ RangeFlags flags_from_ranges(AttnParams& p, const std::vector<int64_t>& rows, co
   return kind;
 }
 
-// What reading a bool mask may do to the call's keys. Cut: leave out the keys
+// What reading a mask may do to the call's keys. Cut: leave out the keys
 // no row sees (key_begin, S, batch_keys). KeepAll (attention_probs, which
 // writes every key's probability): cut none; a mask that varies by row is read
 // as its row ranges and flags only, and the ranges then always stay beside the
 // flags (they hold the entries' ends that the cut holds otherwise).
 enum class KeyUse { Cut, KeepAll };
 
-// Reads a bool mask as what it shows (above): each row's range of keys, the
-// flags those ranges follow, the keys no row sees (cut as `keys` says), and
-// drops the mask where the ranges say all it holds. cut keeps the buffers p
-// then points to.
-void read_bool_mask(AttnParams& p, KeyCut& cut, KeyUse keys = KeyUse::Cut) {
+// Reads a mask as what it shows (above), its elements read as Bits says:
+// each row's range of keys, the flags those ranges follow, the keys no row
+// sees (cut as `keys` says), and drops the mask where the ranges say all it
+// holds. cut keeps the buffers p then points to.
+template <class Bits>
+void read_mask_as(AttnParams& p, KeyCut& cut, KeyUse keys) {
   const bool keep_keys = keys == KeyUse::KeepAll;
-  cut.entries.clear();
-  cut.rows.clear();
   const int64_t* stride = p.mask_stride;  // (B, Hq, L, S), 0 on broadcast dims
-  if (p.mask_kind != MaskKind::Bool || p.S <= 1 || stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0) return;
   if (keep_keys && stride[2] == 0) return;
-  const auto* mask = static_cast<const uint8_t*>(p.mask);
+  const auto* mask = static_cast<const typename Bits::U*>(p.mask);
   const int64_t S = p.S;
   const int64_t nb = stride[0] != 0 ? p.B : 1, nh = stride[1] != 0 ? p.Hq : 1, nl = stride[2] != 0 ? p.L : 1;
   auto row_of = [&](int64_t b, int64_t h, int64_t i) { return mask + b * stride[0] + h * stride[1] + i * stride[2]; };
@@ -266,14 +287,14 @@ void read_bool_mask(AttnParams& p, KeyCut& cut, KeyUse keys = KeyUse::Cut) {
       const int64_t b = r / nl, i = r % nl;
       int64_t begin = S, end = 0;  // empty so far
       for (int64_t h = 0; h < nh && (begin > 0 || end < S); ++h) {
-        const int64_t last = last_set(row_of(b, h, i), stride[3], end, S);
+        const int64_t last = last_visible<Bits>(row_of(b, h, i), stride[3], end, S);
         if (last >= 0) end = last + 1;
-        const int64_t first = first_set(row_of(b, h, i), stride[3], 0, std::min(begin, end));
+        const int64_t first = first_visible<Bits>(row_of(b, h, i), stride[3], 0, std::min(begin, end));
         if (first >= 0) begin = first;
       }
       // every head sets every key of the run: then each head's keys are the run, no more
       for (int64_t h = 0; h < nh && begin < end && !broken.load(std::memory_order_relaxed); ++h)
-        if (!all_set(row_of(b, h, i), stride[3], begin, end)) broken.store(true, std::memory_order_relaxed);
+        if (!all_plain<Bits>(row_of(b, h, i), stride[3], begin, end)) broken.store(true, std::memory_order_relaxed);
       rows[2 * r] = begin;
       rows[2 * r + 1] = end;
     }
@@ -320,6 +341,21 @@ void read_bool_mask(AttnParams& p, KeyCut& cut, KeyUse keys = KeyUse::Cut) {
   }
   cut.rows = std::move(rows);  // the buffers move with their pointers
   if (!same && !keep_keys) cut.entries = std::move(found);
+}
+
+// read_mask_as for the call's mask: bool, or float of the query's dtype.
+void read_mask(AttnParams& p, KeyCut& cut, KeyUse keys = KeyUse::Cut) {
+  cut.entries.clear();
+  cut.rows.clear();
+  if (p.mask_kind == MaskKind::None || p.S <= 1 || p.mask_stride[3] == 0 || p.B == 0 || p.Hq == 0 || p.L == 0)
+    return;
+  if (p.mask_kind == MaskKind::Bool) return read_mask_as<BoolBits>(p, cut, keys);
+  switch (p.dtype) {
+    case DType::Float16: return read_mask_as<HalfBits>(p, cut, keys);
+    case DType::BFloat16: return read_mask_as<BFloat16Bits>(p, cut, keys);
+    case DType::Float32: return read_mask_as<FloatMaskBits>(p, cut, keys);
+    case DType::Float64: return read_mask_as<DoubleBits>(p, cut, keys);
+  }
 }
 
 void read_seed(AttnParams& p, const std::optional<at::Tensor>& dropout_seed) {
@@ -393,7 +429,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(AttnParams& p, Variants& variants
                                                const std::optional<at::Tensor>& dropout_seed, KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
   // after the variants: it may set the flags
-  if (cut != nullptr) read_bool_mask(p, *cut, probs ? KeyUse::KeepAll : KeyUse::Cut);
+  if (cut != nullptr) read_mask(p, *cut, probs ? KeyUse::KeepAll : KeyUse::Cut);
   auto [result, lse] = make_forward_outputs(p, query, probs);
   advise_huge_pages(result);
   if (lse.numel() == 0) return {result, lse};
@@ -417,7 +453,7 @@ ValueGrads run_value_backward(AttnBwdParams& p, Variants& variants, const at::Te
                               const std::optional<at::Tensor>& dropout_seed, bool compute_grad_mask,
                               KeyCut* cut = nullptr) {
   describe_variants(p, variants, query);
-  if (cut != nullptr) read_bool_mask(p, *cut);
+  if (cut != nullptr && !compute_grad_mask) read_mask(p, *cut);  // the mask's gradient needs it whole
   describe_grad_output(p, grad_out, out, query);
   ValueGrads g;
   g.o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
@@ -513,7 +549,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> attention_probs_backw
   Variants variants = variants_of(window_left, window_right, softcap, alibi_slopes, sinks);
   describe_variants(p, variants, query);
   KeyCut cut;
-  read_bool_mask(p, cut, KeyUse::KeepAll);  // the forward's row ranges and flags
+  if (!compute_grad_mask) read_mask(p, cut, KeyUse::KeepAll);  // the forward's row ranges and flags
   describe_grad_probs(p, grad_probs, probs, query);
   BwdOutputs o = make_backward_outputs(p, query, key, lse, grad_lse, attn_mask, dropout_seed, compute_grad_mask);
   at::Tensor dsinks = grad_sinks_buffer(p, variants, query);

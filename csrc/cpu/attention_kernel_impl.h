@@ -849,7 +849,7 @@ inline T score_row(const AttnParams& p, T* s, int64_t n, int64_t n_padded, int64
     }
   }
   KeyRange keys = visible_key_range(p, i);
-  if (p.row_keys != nullptr) {  // the row's own keys, of a bool mask (which may be dropped: they are all it held)
+  if (p.row_keys != nullptr) {  // the row's own keys, of the mask (which may be dropped: they are all it held)
     const int64_t* own = row_ranges_of(p, b) + 2 * i;
     keys = KeyRange{std::max(keys.begin, own[0]), std::min(keys.end, own[1])};
   }
@@ -1059,7 +1059,7 @@ class SequenceViews {
 
 // The keys that query rows [i0, i0 + m) of batch entry b may see: the causal
 // bound's and the window's (visible_key_range), narrowed by the rows' own
-// ranges when a bool mask that varies by row gave them (row_keys).
+// ranges when a mask that varies by row gave them (row_keys).
 // end <= begin: no row of the block sees a key.
 inline KeyRange block_key_range(const AttnParams& p, int64_t b, int64_t i0, int64_t m) {
   KeyRange keys{visible_key_range(p, i0).begin, visible_key_range(p, i0 + m - 1).end};

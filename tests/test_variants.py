@@ -615,21 +615,37 @@ def test_only_neg_inf_hides_a_key_of_a_float_mask(device, dtype):
                                rtol=0.02, atol=0.02)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known: the backward takes P = exp(S - lse), and a row whose scores all sit near "
-                   "finfo.min has lse = max + log(sum) rounded to max (PyTorch's own CPU flash kernel gives "
-                   "the same gradients); the row's sum would have to be recomputed")
-def test_gradients_of_a_row_that_sees_only_finfo_min_keys(device):
-    q, k, v = make_qkv(1, 2, 2, 6, 70, 16, 16, torch.float32, device, seed=32, requires_grad=True)
-    mask = torch.zeros(6, 70)
-    mask[1] = torch.finfo(torch.float32).min
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)
+def test_gradients_and_probs_of_rows_that_see_only_finfo_min_keys(device, dtype):
+    """The backward takes P = exp(S - lse); a row whose scores all sit near finfo.min has
+    lse = max + log(sum) rounded to the max (at 3e38 log(70) is far below its ulp), so
+    P summed to the key count: gradients about 15x too large, and attention_probs' rows
+    summed to 70 (PyTorch's own CPU flash kernel gives the same gradients). Such rows
+    now find their max and log(sum) again. Row 1 sees every key at finfo.min, row 3 some,
+    head 1 of row 4 sees keys at finfo.min beside a sink."""
+    q, k, v = make_qkv(1, 2, 2, 6, 70, 16, 16, dtype, device, seed=32, requires_grad=True)
+    low = torch.finfo(dtype).min
+    mask = torch.zeros(6, 70, dtype=dtype)
+    mask[1] = low
+    mask[3, :20] = low
+    mask[4] = low
     mask = mask.to(device)
-    g = torch.randn(1, 2, 6, 16, generator=make_generator(33)).to(device)
-    got = torch.autograd.grad(sdpa(q, k, v, mask), [q, k, v], g)
-    r = [leaf64(t) for t in (q, k, v)]
-    want = torch.autograd.grad(attention_reference(*r, attn_mask=mask.double())[0], r, g.double())
-    for name, a, b in zip(("grad query", "grad key", "grad value"), got, want):
-        assert rel_err(a, b) < 1e-5, name
+    sink_dtype = F64 if dtype == F64 else torch.float32  # head 1's sink weighs nothing
+    sinks = torch.tensor([0.5, -300.0], dtype=sink_dtype, device=device, requires_grad=True)
+    g = torch.randn(1, 2, 6, 16, generator=make_generator(33)).to(device, dtype)
+    out = sdpa(q, k, v, mask, sinks=sinks)
+    got = torch.autograd.grad(out, [q, k, v, sinks], g)
+    r = [leaf64(t) for t in (q, k, v, sinks)]
+    ref = attention_reference(*r[:3], attn_mask=mask.double(), sinks=r[3])[0]
+    want = torch.autograd.grad(ref, r, g.double())
+    bound = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    assert rel_err(out, ref) < bound, "out"
+    for name, a, b in zip(("grad query", "grad key", "grad value", "grad sinks"), got, want):
+        assert rel_err(a, b) < bound, name
+    probs = attn_ext_module().attention_probs(q.detach(), k.detach(), attn_mask=mask)
+    want_probs = attention_probs_reference(*(t.detach().double() for t in (q, k)), attn_mask=mask.double())
+    assert rel_err(probs, want_probs) < bound
+    torch.testing.assert_close(probs.double().sum(-1), torch.ones(1, 2, 6, dtype=F64), rtol=0, atol=bound * 10)
 
 
 def test_cut_keys_keep_the_dropout_of_the_uncut_call(device):

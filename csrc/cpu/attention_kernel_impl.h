@@ -496,23 +496,24 @@ inline T row_max(const T* s, int64_t n) {
                                     fast_max(fast_max(m0, m1), fast_max(m2, m3)));
 }
 
-// s = exp(s * mul - shift); returns the sum. -inf entries become 0. Two chains.
-// A shift (a row's max or lse) within a factor log2(e) of the float's lowest
-// value, whose base-2 form overflows to -inf, comes of a float mask of
+// s = exp(s * mul - shift - offset); returns the sum. -inf entries become 0. Two
+// chains. A shift (a row's max or lse) within a factor log2(e) of the float's
+// lowest value, whose base-2 form overflows to -inf, comes of a float mask of
 // finfo.min on every key the row sees (transformers' eager masks hide keys so):
-// the shift is taken first there, (s * mul - shift) * log2(e), so that such a
-// row averages its keys as torch's softmax does instead of giving NaN.
+// the shift is taken first there, (s * mul - shift - offset) * log2(e), so that
+// such a row averages its keys as torch's softmax does instead of giving NaN;
+// likewise with an offset (a row's log(sum) beside its max: exact_row_shift).
 template <typename T>
-inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1)) {
+inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1), T offset = T(0)) {
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
   using Exp = FastExp<T>;
   const T base = Exp::base2 ? T(1.4426950408889634) : T(1);  // log2(e) for 2^x
-  if (std::isinf(shift * base) && std::isfinite(shift)) {
-    const Vec a(mul), c(shift), b(base);
+  if (offset != T(0) || (std::isinf(shift * base) && std::isfinite(shift))) {
+    const Vec a(mul), c(shift), o(offset), b(base);
     Vec acc(T(0));
     for (int64_t j = 0; j < n; j += VS) {
-      const Vec e = Exp::apply(at::vec::fmsub(Vec::loadu(s + j), a, c) * b);
+      const Vec e = Exp::apply((at::vec::fmsub(Vec::loadu(s + j), a, c) - o) * b);
       e.store(s + j);
       acc = acc + e;
     }
@@ -865,14 +866,18 @@ template <typename T>
 using Dropout = DropoutRule<T>;
 
 // Row i of a score tile (keys j0 + j, already masked) to probabilities, given
-// the row's log-sum-exp: s = exp(s * mul - lse) (mul: what score_row returned).
-// With dropout, z = s * keep / (1 - p) (z may be s itself) and, when dz is
-// given, dz *= keep / (1 - p) likewise.
+// the row's log-sum-exp: s = exp(s * mul - lse) (mul: what score_row returned;
+// lse as a shift and an offset, RowShift). With dropout, z = s * keep / (1 - p)
+// (z may be s itself) and, when dz is given, dz *= keep / (1 - p) likewise.
 // Shared by the backward and the explicit-probabilities forward.
 template <typename T>
+struct RowShift {
+  T shift, offset;  // lse = shift + offset (offset 0 but for exact_row_shift's rows)
+};
+template <typename T>
 inline void probabilities_row(const AttnParams& p, const Dropout<T>& drop, T* s, T* z, T* dz, int64_t n,
-                              int64_t np, T row_lse, T mul, int64_t b, int64_t h, int64_t i, int64_t j0) {
-  exp_shift_sum(s, np, row_lse, mul);
+                              int64_t np, RowShift<T> lse, T mul, int64_t b, int64_t h, int64_t i, int64_t j0) {
+  exp_shift_sum(s, np, lse.shift, mul, lse.offset);
   if (!drop.on) return;
   DropoutRowStream rng(p.seed, dropout_row(p, b, h, i), j0);
   for (int64_t j = 0; j < n; ++j) {
@@ -1131,6 +1136,37 @@ inline const T* sink_of(const AttnParams& p, int64_t h) {
   return p.sinks == nullptr ? nullptr : static_cast<const T*>(p.sinks) + h;
 }
 
+// A row whose log-sum-exp is too large for its float to keep log(sum) beside
+// the max (|lse| > 1024: every score the row sees near finfo.min, as a float
+// mask of it makes, or a huge bias; at 3e38 lse rounds to the max): exp(s - lse)
+// would lose the row's sum there (P summed to the key count). Such rows take
+// their max and log(sum) from exact_row_shift, which computes the row's scores
+// again, one key at a time (a row so biased is rare: a padding row).
+template <typename T>
+inline bool lse_inexact(T lse) {
+  return std::abs(lse) > T(1024) && std::isfinite(lse);
+}
+
+template <typename scalar_t, typename T>
+RowShift<T> exact_row_shift(const AttnParams& ps, int64_t b, int64_t h, int64_t i) {
+  constexpr int64_t VS = Vectorized<T>::size();
+  const int64_t E = std::max<int64_t>(ps.E, 1), hk = h / (ps.Hq / ps.Hkv);
+  const int64_t j0 = ps.key_begin, n = std::max<int64_t>(ps.S - j0, 0), np = round_up(std::max<int64_t>(n, 1), VS);
+  Buffer<T> q(E, T(0)), key(E, T(0)), s(np);
+  load_row(q.data(), row_at<scalar_t>(ps.q, ps.q_stride, b, h, i), ps.E, ps.q_stride[3], static_cast<T>(ps.scale), E);
+  for (int64_t j = 0; j < n; ++j) {
+    load_row(key.data(), row_at<scalar_t>(ps.k, ps.k_stride, b, hk, j0 + j), ps.E, ps.k_stride[3], T(1), E);
+    s[j] = dot_product(q.data(), key.data(), E);
+  }
+  score_row<scalar_t, T>(ps, s.data(), n, np, b, h, i, j0, T(1));  // scores scaled: returns 1
+  const T* sink = sink_of<T>(ps, h);
+  T mx = row_max(s.data(), np);
+  if (sink != nullptr) mx = std::max(mx, *sink);
+  T l = exp_shift_sum(s.data(), np, mx);
+  if (sink != nullptr) l += std::exp(*sink - mx);
+  return RowShift<T>{mx, std::log(l)};
+}
+
 // ---------------------------------------------------------------------------
 // Forward (FlashAttention-2's loop; Products does the two matrix products).
 // With p.probs set (the attention_probs op) there is no V: the first pass
@@ -1347,6 +1383,12 @@ void forward_driver(const AttnParams& p) {
 
       // Second pass of attention_probs: P = exp(S - lse), dropped, written out; 0 outside [kv_begin, kv_end).
       scalar_t* p_bh = static_cast<scalar_t*>(ps.probs) + b * ps.probs_stride[0] + h * ps.probs_stride[1];
+      RowShift<T> shifts[kMaxQTile];
+      for (int64_t r = 0; r < m; ++r) {
+        const T row_lse = lse[lse_index(ps, b, h, i0 + r)];
+        shifts[r] = lse_inexact(row_lse) ? exact_row_shift<scalar_t, T>(ps, b, h, i0 + r)
+                                         : RowShift<T>{row_lse, T(0)};
+      }
       for (int64_t j0 = 0; j0 < ps.S; j0 += kv_block) {
         const int64_t n = std::min(kv_block, ps.S - j0);
         const int64_t np = round_up(n, kCols);
@@ -1360,7 +1402,7 @@ void forward_driver(const AttnParams& p) {
             std::fill(s, s + np, T(0));
           } else {
             const T f = score_row<scalar_t, T>(ps, s, n, np, b, h, i, j0, unscaled);
-            probabilities_row(ps, drop, s, s, static_cast<T*>(nullptr), n, np, row_lse, f, b, h, i, j0);
+            probabilities_row(ps, drop, s, s, static_cast<T*>(nullptr), n, np, shifts[r], f, b, h, i, j0);
           }
           store_row(p_bh + i * ps.probs_stride[2] + j0 * ps.probs_stride[3], ps.probs_stride[3], s, n, T(1));
         }
@@ -1587,6 +1629,13 @@ void backward_driver(const AttnBwdParams& p) {
   // D for every row (laid out as lse): rowsum(dO * O), which equals rowsum(dZ * Z)
   // for the explicit probabilities Z; and the sinks' gradient of each (b, h).
   std::vector<T> delta(p.cu_q != nullptr ? p.cu_q[B] * Hq : B * Hq * L);
+  // The rows whose lse cannot hold their sum (lse_inexact) get their max and
+  // log(sum) here, laid out as lse (none when no row needs them).
+  const int64_t n_rows = static_cast<int64_t>(delta.size());
+  std::vector<RowShift<T>> exact(std::any_of(lse, lse + n_rows, [](T x) { return lse_inexact(x); }) ? n_rows : 0);
+  auto shift_of = [&](int64_t row) {
+    return exact.empty() || !lse_inexact(lse[row]) ? RowShift<T>{lse[row], T(0)} : exact[row];
+  };
   parallel_tasks(B * Hq, 1, [&](int64_t begin, int64_t end) {
     SequenceViews<scalar_t, AttnBwdParams> views(p);
     for (int64_t bh = begin; bh < end; ++bh) {
@@ -1610,7 +1659,9 @@ void backward_driver(const AttnBwdParams& p) {
         }
         if (dlse != nullptr) d -= dlse[row];
         delta[row] = d;
-        if (sink != nullptr && lse[row] != kNegInf) dsink -= std::exp(*sink - lse[row]) * d;
+        if (!exact.empty() && lse_inexact(lse[row])) exact[row] = exact_row_shift<scalar_t, T>(ps, b, h, i);
+        const RowShift<T> shift = shift_of(row);
+        if (sink != nullptr && lse[row] != kNegInf) dsink -= std::exp((*sink - shift.shift) - shift.offset) * d;
       }
       if (ps.dsinks != nullptr) static_cast<T*>(ps.dsinks)[bh] = dsink;
     }
@@ -1731,8 +1782,8 @@ void backward_driver(const AttnBwdParams& p) {
               std::fill(ds, ds + skipped, T(0));
               if (dropout) std::fill(zt.data() + r * np + npr, zt.data() + r * np + npq, T(0));
               const T f = score_row<scalar_t, T>(ps, s, nr, npr, b, h, i, j0, unscaled, t);
-              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nr, npr, row_lse, f, b, h,
-                                i, j0);
+              probabilities_row(ps, drop, s, dropout ? zt.data() + r * np : nullptr, ds, nr, npr, shift_of(row), f, b,
+                                h, i, j0);
               // dS = P (dP - D); through the softcap times d(softcap tanh(x / softcap)) / dx = 1 - tanh^2,
               // in the same pass unless the mask's gradient takes dS in between
               const Vec d(delta[row]), one(T(1));

@@ -236,6 +236,29 @@ def test_is_causal_hint_with_causal_mask_matches_torch(device, dtype, need_weigh
 
 
 @dtypes
+def test_square_subsequent_mask_runs_as_the_causal_flag(device, dtype):
+    """nn.Transformer's float causal mask (0 and -inf), with a key-padding mask beside it:
+    on the CPU the kernels read the -inf as hidden keys and run the pattern as the causal
+    flag, so output and gradients are the flag call's bitwise."""
+    if device != "cpu":
+        pytest.skip("the CUDA kernels read the mask as given")
+    _, ours = _pair(dtype, device, batch_first=True)
+    T = 70  # rows over several micro-kernel row groups and key vectors
+    x = torch.randn(N, T, ours.embed_dim, generator=make_generator(4)).to(device, dtype)
+    causal = torch.nn.Transformer.generate_square_subsequent_mask(T, device=device, dtype=dtype)
+    pad = torch.zeros(N, T, dtype=torch.bool, device=device)
+    pad[0, :20] = True  # entry 0 left-padded
+    results = []
+    for kwargs in (dict(attn_mask=causal), dict(is_causal=True)):
+        leaf = x.clone().requires_grad_(True)
+        out, _ = ours(leaf, leaf, leaf, key_padding_mask=pad, need_weights=False, **kwargs)
+        g = torch.randn(out.shape, generator=make_generator(5)).to(device, dtype)
+        results.append((out, *torch.autograd.grad(out, [leaf, *ours.parameters()], g)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+@dtypes
 def test_float_attn_mask_gradient_matches_torch(device, dtype):
     theirs, ours = _pair(dtype, device, batch_first=True)
     gen = make_generator(9)

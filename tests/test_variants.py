@@ -608,11 +608,12 @@ def test_only_neg_inf_hides_a_key_of_a_float_mask(device, dtype):
     mask = mask.to(device)
     check_forward(q, k, v, mask, {})
     out = sdpa(q, k, v, mask)
-    torch.testing.assert_close(out[0, :, 1].float(), v.float().mean(-2)[0], rtol=0.02, atol=0.02)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+    torch.testing.assert_close(out[0, :, 1].float(), v.float().mean(-2)[0], rtol=tol, atol=tol)
     assert (out[0, :, 2] == 0).all()
     expect = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask.double())
     torch.testing.assert_close(out[0, :, [0, 1, 3, 4, 5]].double(), expect[0, :, [0, 1, 3, 4, 5]],
-                               rtol=0.02, atol=0.02)
+                               rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=_ids)

@@ -496,20 +496,29 @@ inline T row_max(const T* s, int64_t n) {
                                     fast_max(fast_max(m0, m1), fast_max(m2, m3)));
 }
 
+// A shift (a row's max or log-sum-exp) so far from 0 that its float's rounding
+// would show in the probabilities: |shift| > 1024 (its ulp 2^-13 and up; a
+// float mask of finfo.min on every key the row sees, as transformers' eager
+// masks hide keys, or a huge bias).
+template <typename T>
+inline bool lse_inexact(T shift) {
+  return std::abs(shift) > T(1024) && std::isfinite(shift);
+}
+
 // s = exp(s * mul - shift - offset); returns the sum. -inf entries become 0. Two
-// chains. A shift (a row's max or lse) within a factor log2(e) of the float's
-// lowest value, whose base-2 form overflows to -inf, comes of a float mask of
-// finfo.min on every key the row sees (transformers' eager masks hide keys so):
-// the shift is taken first there, (s * mul - shift - offset) * log2(e), so that
-// such a row averages its keys as torch's softmax does instead of giving NaN;
-// likewise with an offset (a row's log(sum) beside its max: exact_row_shift).
+// chains: 2^(s * mul * log2(e) - shift * log2(e)) in one FMA. Where the shift is
+// lse_inexact, the base-2 shift would lose its low bits (and overflow to -inf
+// near finfo.min, making NaN), and where an offset is given (a row's log(sum)
+// beside its max: exact_row_shift) it has a second part: then the shift is
+// taken first, 2^((s * mul - shift - offset) * log2(e)), so that a row of
+// finfo.min scores averages its keys as torch's softmax does.
 template <typename T>
 inline T exp_shift_sum(T* s, int64_t n, T shift, T mul = T(1), T offset = T(0)) {
   using Vec = Vectorized<T>;
   constexpr int64_t VS = Vec::size();
   using Exp = FastExp<T>;
   const T base = Exp::base2 ? T(1.4426950408889634) : T(1);  // log2(e) for 2^x
-  if (offset != T(0) || (std::isinf(shift * base) && std::isfinite(shift))) {
+  if (offset != T(0) || lse_inexact(shift)) {
     const Vec a(mul), c(shift), o(offset), b(base);
     Vec acc(T(0));
     for (int64_t j = 0; j < n; j += VS) {
@@ -1137,16 +1146,10 @@ inline const T* sink_of(const AttnParams& p, int64_t h) {
 }
 
 // A row whose log-sum-exp is too large for its float to keep log(sum) beside
-// the max (|lse| > 1024: every score the row sees near finfo.min, as a float
-// mask of it makes, or a huge bias; at 3e38 lse rounds to the max): exp(s - lse)
-// would lose the row's sum there (P summed to the key count). Such rows take
-// their max and log(sum) from exact_row_shift, which computes the row's scores
-// again, one key at a time (a row so biased is rare: a padding row).
-template <typename T>
-inline bool lse_inexact(T lse) {
-  return std::abs(lse) > T(1024) && std::isfinite(lse);
-}
-
+// the max (at 3e38 lse rounds to the max): exp(s - lse) would lose the row's
+// sum there (P summed to the key count). Such rows (lse_inexact) take their
+// max and log(sum) from exact_row_shift, which computes the row's scores again,
+// one key at a time (a row so biased is rare: a padding row).
 template <typename scalar_t, typename T>
 RowShift<T> exact_row_shift(const AttnParams& ps, int64_t b, int64_t h, int64_t i) {
   constexpr int64_t VS = Vectorized<T>::size();

@@ -192,11 +192,13 @@ def test_set_num_threads_sets_the_threads_the_kernels_run_on():
             torch.set_num_threads(n)
             _fwd_bwd(attn_ext, q, k, v)  # warm-up; OpenMP's idle workers stop spinning
             before = _cpu_ticks_per_thread()
-            for _ in range(8):
+            for calls in range(1, 65):  # until the busiest thread has 40 ticks (0.4 s at 100 Hz) to compare
                 _fwd_bwd(attn_ext, q, k, v)
-            after = _cpu_ticks_per_thread()
-            busiest = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
-            assert busiest[0] >= 20, f"too short to measure: {busiest[:3]} ticks"
+                after = _cpu_ticks_per_thread()
+                busiest = sorted((after[t] - before.get(t, 0) for t in after), reverse=True)
+                if calls >= 8 and busiest[0] >= 40:
+                    break
+            assert busiest[0] >= 20, f"too short to measure: {busiest[:3]} ticks after {calls} calls"
             if n == 1:
                 assert busiest[1] <= 0.1 * busiest[0], f"1 thread set, but the busiest threads took {busiest[:3]} ticks"
             else:

@@ -600,6 +600,13 @@ inline void store_row(scalar_t* dst, int64_t stride, const T* src, int64_t n, T 
   for (; e < n; ++e) dst[e * stride] = static_cast<scalar_t>(src[e] * mul);
 }
 
+// Asks for the cache lines of a row read soon (`bytes` from x): rows of a (tokens, heads, dims) layout
+// lie 2 KiB or more apart, a stride the hardware does not prefetch (amx::detail::prefetch_rows).
+constexpr int64_t kPrefetchRows = 32;
+inline void prefetch_row(const void* x, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(x) + off);
+}
+
 // sum_e a[e * sa] * b[e * sb] for e < n, accumulated in T.
 template <typename scalar_t, typename T>
 inline T dot_rows(const scalar_t* a, int64_t sa, const scalar_t* b, int64_t sb, int64_t n) {
@@ -1694,6 +1701,11 @@ void backward_driver(const AttnBwdParams& p) {
           for (int64_t j = 0; j < ps.S; ++j)
             d += static_cast<T>(zrow[j * ps.probs_stride[3]]) * static_cast<T>(drow[j * ps.dprobs_stride[3]]);
         } else {
+          if (i + kPrefetchRows < ps.L && ps.o_stride[3] == 1 && ps.do_stride[3] == 1) {
+            // a 1024-token packed bfloat16 batch's backward: 56.5-61.7 -> 53.8-54.3 ms
+            prefetch_row(row_at<scalar_t>(ps.out, ps.o_stride, b, h, i + kPrefetchRows), Ev * sizeof(scalar_t));
+            prefetch_row(row_at<scalar_t>(ps.dout, ps.do_stride, b, h, i + kPrefetchRows), Ev * sizeof(scalar_t));
+          }
           d = dot_rows<scalar_t, T>(row_at<scalar_t>(ps.out, ps.o_stride, b, h, i), ps.o_stride[3],
                                     row_at<scalar_t>(ps.dout, ps.do_stride, b, h, i), ps.do_stride[3], Ev);
         }

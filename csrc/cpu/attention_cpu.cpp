@@ -153,22 +153,21 @@ bool all_plain(const typename Bits::U* row, int64_t stride, int64_t lo, int64_t 
 // A mask that varies by query row (a causal or banded pattern as a bool mask,
 // or as a float mask of 0 and -inf such as nn.Transformer's
 // generate_square_subsequent_mask; packed documents' block-diagonal mask) is
-// read row by row: cut.rows holds
-// each row's [first, last + 1) over the heads (AttnParams::row_keys), and a
-// forward query block visits only the key tiles its rows' ranges span, a
-// backward key block only the query rows whose ranges reach it. Tiles the mask
-// hides whole are then skipped as the causal flag's are.
+// read row by row: cut.rows holds each row's [first, last + 1) over the heads
+// (AttnParams::row_keys), and a forward query block visits only the key tiles
+// its rows' ranges span, a backward key block only the query rows whose ranges
+// reach it. Tiles the mask hides whole are then skipped as the causal flag's
+// are.
 //
 // A mask that holds nothing but those ranges (every row's keys one unbroken
 // run, the same on every head, and a float mask 0 on each: a key-padding or
 // written-slots row, the causal pattern, a band, documents) is not read by the
 // kernels at all: it is dropped, and the ranges stand for it (score_row bounds
-// each row by its row_keys). Where the
-// rows' ranges follow a causal bound or a window (flags_from_ranges: the call
-// has none of its own), the kernels take those flags and skip what the flags
-// let them skip, the products past each micro-kernel row group's diagonal:
-// a causal or banded pattern becomes the flags alone, packed documents the
-// causal flag beside each row's range.
+// each row by its row_keys). Where the rows' ranges follow a causal bound or a
+// window (flags_from_ranges: the call has none of its own), the kernels take
+// those flags and skip what the flags let them skip, the products past each
+// micro-kernel row group's diagonal: a causal or banded pattern becomes the
+// flags alone, packed documents the causal flag beside each row's range.
 //
 // The scan reads each row from its end backwards down to the last key found so
 // far, and from key 0 forwards up to the first; 32 keys to a step. It then

@@ -44,6 +44,7 @@
 
 #include "../attention_math.h"
 #include "kernels.h"
+#include "prefetch.h"
 #if defined(CPU_CAPABILITY_AVX512)
 #include "lane_sums.h"
 #endif
@@ -600,37 +601,6 @@ inline void store_row(scalar_t* dst, int64_t stride, const T* src, int64_t n, T 
   for (; e < n; ++e) dst[e * stride] = static_cast<scalar_t>(src[e] * mul);
 }
 
-// Asks for the cache lines of a row read soon (`bytes` from x): rows of a (tokens, heads, dims) layout
-// lie 2 KiB or more apart, a stride the hardware does not prefetch (amx::detail::prefetch_rows).
-constexpr int64_t kPrefetchRows = 32;
-inline void prefetch_row(const void* x, int64_t bytes) {
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(x) + off);
-}
-
-// sum_e a[e * sa] * b[e * sb] for e < n, accumulated in T.
-template <typename scalar_t, typename T>
-inline T dot_rows(const scalar_t* a, int64_t sa, const scalar_t* b, int64_t sb, int64_t n) {
-  int64_t e = 0;
-  T sum = 0;
-  if (sa == 1 && sb == 1) {
-    using Vec = Vectorized<T>;
-    Vec acc(T(0));
-    if constexpr (std::is_same_v<T, scalar_t>) {
-      for (; e + Vec::size() <= n; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + e), Vec::loadu(b + e), acc);
-    } else if constexpr (std::is_same_v<T, float>) {  // float16/bfloat16: converted a vector at a time
-      using Vh = Vectorized<scalar_t>;
-      for (; e + Vh::size() <= n; e += Vh::size()) {
-        auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vh::loadu(a + e));
-        auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vh::loadu(b + e));
-        acc = at::vec::fmadd(a1, b1, at::vec::fmadd(a0, b0, acc));
-      }
-    }
-    sum = hsum(acc);
-  }
-  for (; e < n; ++e) sum += static_cast<T>(a[e * sa]) * static_cast<T>(b[e * sb]);
-  return sum;
-}
-
 // Packs rows [j0, j0 + n) of a (rows, dim) matrix with strides (rs, cs)
 // transposed: dst[d * ld + j] = src[j0 + j][d]; columns n..ld are zero.
 template <typename scalar_t, typename T>
@@ -751,6 +721,30 @@ inline Vectorized<T> dot_parts(const T* a, const T* b, int64_t n) {
 template <typename T>
 inline T dot_product(const T* a, const T* b, int64_t n) {
   return hsum(dot_parts(a, b, n));
+}
+
+// sum_e a[e * sa] * b[e * sb] for e < n, accumulated in T: dot_product for contiguous rows of T,
+// float16/bfloat16 rows converted a vector at a time.
+template <typename scalar_t, typename T>
+inline T dot_rows(const scalar_t* a, int64_t sa, const scalar_t* b, int64_t sb, int64_t n) {
+  int64_t e = 0;
+  T sum = 0;
+  if (sa == 1 && sb == 1) {
+    if constexpr (std::is_same_v<T, scalar_t>) {
+      return dot_product(a, b, n);
+    } else if constexpr (std::is_same_v<T, float>) {
+      using Vh = Vectorized<scalar_t>;
+      Vectorized<T> acc(T(0));
+      for (; e + Vh::size() <= n; e += Vh::size()) {
+        auto [a0, a1] = at::vec::convert_to_float<scalar_t>(Vh::loadu(a + e));
+        auto [b0, b1] = at::vec::convert_to_float<scalar_t>(Vh::loadu(b + e));
+        acc = at::vec::fmadd(a1, b1, at::vec::fmadd(a0, b0, acc));
+      }
+      sum = hsum(acc);
+    }
+  }
+  for (; e < n; ++e) sum += static_cast<T>(a[e * sa]) * static_cast<T>(b[e * sb]);
+  return sum;
 }
 
 // O[r] += sum_j P[r][j] V[j] for a decoding step's rows, V's rows read in place
@@ -1076,8 +1070,9 @@ class VecForwardProducts {
   // V's rows can be read in place (its dtype, unit column stride, whole vectors): by a few rows
   // (direct_) always; by the block products (v_direct_) where they are contiguous too, or the
   // panels would not stay cached. Rows of a (batch, tokens, heads, dims) layout, 2 KiB apart at
-  // 8 x 64 float32, read in place by the products cost the float32 forward 20 % against packing
-  // them once per head (causal 1 x 8 x 4096 x 64, Xeon model 167: 69.3 -> 58.1 ms; contiguous 54.5).
+  // 8 x 64 float32, read in place by the products made the float32 forward 0.80-0.85x as fast as
+  // on contiguous rows; packed once per head, 0.92-0.94x (causal 1 x 8 x 4096 x 64, Xeon model
+  // 167, builds alternated: 70.2-73.8 -> 65.0-66.1 ms).
   const bool v_rows_;
   bool v_direct_ = false;
   PanelCache cache_;
@@ -1701,10 +1696,13 @@ void backward_driver(const AttnBwdParams& p) {
           for (int64_t j = 0; j < ps.S; ++j)
             d += static_cast<T>(zrow[j * ps.probs_stride[3]]) * static_cast<T>(drow[j * ps.dprobs_stride[3]]);
         } else {
-          if (i + kPrefetchRows < ps.L && ps.o_stride[3] == 1 && ps.do_stride[3] == 1) {
-            // a 1024-token packed bfloat16 batch's backward: 56.5-61.7 -> 53.8-54.3 ms
-            prefetch_row(row_at<scalar_t>(ps.out, ps.o_stride, b, h, i + kPrefetchRows), Ev * sizeof(scalar_t));
-            prefetch_row(row_at<scalar_t>(ps.dout, ps.do_stride, b, h, i + kPrefetchRows), Ev * sizeof(scalar_t));
+          if (ps.o_stride[3] == 1 && ps.do_stride[3] == 1) {  // rows far apart asked for ahead (prefetch.h):
+            // a 1024-token packed bfloat16 batch's backward took 56.5-61.7 ms without, 53.8-54.3 with (Xeon)
+            const int64_t ahead = i + kPrefetchRows, end = std::min(ahead + 1, ps.L), bytes = Ev * sizeof(scalar_t);
+            prefetch_rows(row_at<scalar_t>(ps.out, ps.o_stride, b, h, 0), ps.o_stride[2] * sizeof(scalar_t), ahead,
+                          end, bytes);
+            prefetch_rows(row_at<scalar_t>(ps.dout, ps.do_stride, b, h, 0), ps.do_stride[2] * sizeof(scalar_t),
+                          ahead, end, bytes);
           }
           d = dot_rows<scalar_t, T>(row_at<scalar_t>(ps.out, ps.o_stride, b, h, i), ps.o_stride[3],
                                     row_at<scalar_t>(ps.dout, ps.do_stride, b, h, i), ps.do_stride[3], Ev);

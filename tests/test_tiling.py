@@ -129,13 +129,14 @@ def test_multi_tile_probs_match_reference(device):
     assert rel_err(got, want) < TOL
 
 
-# Query blocks of a few rows (decoding: up to 4 on at::vec, 8 with bfloat16 on the amx
-# variant) read each key row in place instead of packing K^T: every dtype, contiguous or
-# strided keys, over several key tiles (S = 600), with the mask, bottom-right causal bound
-# and GQA of a cached decoding step; on either side of each limit. "transposed" is a
-# (B, S, H, E) layout: float32 value rows are read in place by a few query rows, packed once
-# per head by the block products (in place only when contiguous).
-@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 8, 9])
+# Query blocks of a few rows (decoding: up to 6 in float32 and 16 in float16/bfloat16 on
+# at::vec, kDirectRows / kDirectRowsConverted; 8 with bfloat16 on the amx variant, kDotRows)
+# read each key row in place instead of packing K^T: every dtype, contiguous or strided keys,
+# over several key tiles (S = 600), with the mask, bottom-right causal bound and GQA of a
+# cached decoding step; on either side of each limit. "transposed" is a (B, S, H, E) layout:
+# float32 value rows are read in place by a few query rows, packed once per head by the
+# block products (in place only when contiguous).
+@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("layout", ["contiguous", "strided_last", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
                          ids=["float64", "float32", "bfloat16", "float16"])

@@ -376,7 +376,8 @@ inline void pack_vnni_from_rows(uint16_t* dst, const uint16_t* src, int64_t rs, 
 // VNNI-pack B = X^T. src: X as N rows x K columns bf16, row stride rs (B[k][n] = X[n][k]).
 // dst as in pack_vnni_from_rows: element (kk, 2n + t) = X[n][2kk + t], i.e. the 32-bit word (kk, n)
 // is the word (n, kk) of X: a transpose of 32-bit words. Zero where 2kk + t >= K or n >= N.
-// Needs Kp % 2 == 0, Np % 16 == 0, Kp >= K, Np >= N.
+// Needs Kp % 2 == 0, Np % 16 == 0, Kp >= K, Np >= N. (Of a VNNI panel of rows as X, whose words
+// are pairs of rows, this is the rows' transpose.)
 inline void pack_vnni_from_transposed(uint16_t* dst, const uint16_t* src, int64_t rs, int64_t N, int64_t K,
                                       int64_t Kp, int64_t Np) {
   assert(Kp % 2 == 0 && Np % 16 == 0 && Kp >= K && Np >= N);
@@ -439,14 +440,35 @@ inline void transposed_blocks(const float* src, int64_t lds, int64_t M, int64_t 
 
 }  // namespace detail
 
-// Transposing conversion: dst[k][m] = bf16(src[m][k]) for k < K, m < M; dst[k][m] = 0 for M <= m < Mp.
-// Rows k >= K of dst are not written. src: M x K fp32, row stride lds; dst: K rows, row stride ldd >= Mp.
-// (For P^T and dS^T as the A operand of gemm: pad Mp to a multiple of 32.) Rounding as convert_rows_to_bf16.
-inline void convert_transposed_to_bf16(uint16_t* dst, int64_t ldd, const float* src, int64_t lds, int64_t M,
-                                       int64_t K, int64_t Mp) {
-  assert(Mp >= M && ldd >= Mp);
-  detail::transposed_blocks(src, lds, M, K, Mp, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
-    _mm256_mask_storeu_epi16(dst + k * ldd + m0, mask, detail::cvt_bf16(x));
+// Row r of an fp32 tile into the VNNI panel of the tile's rows (as pack_vnni_from_rows lays them
+// out): bf16(x[j]) as element (r / 2, 2j + r % 2), i.e. the words of parity r % 2 of the panel's
+// row `panel_row`, for j < n, zero for n <= j < np (np % 16 == 0). The other parity's words are
+// left as they are. (For P and dS as the B operand of dV^T = dO^T P and dK^T = Q^T dS, written as
+// each row is finished, while it is in L1.) Rounding as convert_rows_to_bf16.
+inline void vnni_row_from_f32(uint16_t* panel_row, int64_t r, const float* x, int64_t n, int64_t np) {
+  const bool odd = r % 2 != 0;
+  const __mmask32 words = odd ? 0xaaaaaaaau : 0x55555555u;
+  for (int64_t j = 0; j < np; j += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(detail::cvt_bf16(_mm512_maskz_loadu_ps(detail::mask16(n - j), x + j)));
+    _mm512_mask_storeu_epi16(panel_row + 2 * j, words, odd ? _mm512_slli_epi32(w, 16) : w);
+  }
+}
+
+// Rows [m, mp) of a VNNI panel of rows (row stride ldd, 2 np words each) to zero: the panel's rows
+// from m / 2 on, of which row m / 2 only its odd words when m is odd.
+inline void zero_vnni_rows(uint16_t* panel, int64_t ldd, int64_t m, int64_t mp, int64_t np) {
+  for (int64_t kk = m / 2; kk < mp / 2; ++kk) {
+    const __mmask32 words = 2 * kk < m ? 0xaaaaaaaau : 0xffffffffu;
+    for (int64_t j = 0; j < 2 * np; j += 32)
+      _mm512_mask_storeu_epi16(panel + kk * ldd + j, words, _mm512_setzero_si512());
+  }
+}
+
+// dst[k][m] = src[m][k] for m < M, k < K, fp32. src: M x K, row stride lds; dst: K rows, row stride
+// ldd >= M. (For dK^T and dV^T summed by gemm as C, back to rows of keys.)
+inline void transpose_f32(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
+  detail::transposed_blocks(src, lds, M, K, M, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
+    _mm512_mask_storeu_ps(dst + k * ldd + m0, mask, x);
   });
 }
 

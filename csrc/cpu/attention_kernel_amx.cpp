@@ -396,6 +396,11 @@ class TileBackwardBase {
 
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
+  // dK and dV as the products sum them: rows of keys (Bf16BackwardProducts sums them as columns).
+  const float* key_rows(const float* acc, int64_t, int64_t) { return acc; }
+  // Row r of the query block's Z and dS are final (Bf16BackwardProducts converts them then).
+  void finish_row(int64_t, const float*, const float*) {}
+
   // The next products take only the first n keys of the loaded block (the query block sees no
   // more), and of those only the band row r sees, [first + r, reach + r) (band_columns), in
   // blocks of Engine::kBandRows: S and dP are left unwritten outside it, and the driver makes
@@ -456,9 +461,13 @@ class TileBackwardBase {
       Base::p_
 
 // bfloat16's backward products: Q and dO kept unscaled as bfloat16 A rows (read in place where
-// they need no padding, a_operand) and as VNNI panels (for dK and dV, whose sums run over the
-// query rows); K^T, V^T and K of a key block as VNNI panels. Z^T, dS and dS^T are rounded to
-// bfloat16 for their products.
+// they need no padding, a_operand) for S and dP, and transposed (Q^T, dO^T: the A operands of
+// dK^T and dV^T, whose sums run over the query rows); K^T, V^T and K of a key block as VNNI
+// panels. Each row of Z and dS, once the driver has finished it (finish_row), is rounded to
+// bfloat16 into VNNI panels of the rows for dV^T += dO^T Z and dK^T += Q^T dS (summed as keys'
+// columns, turned back into keys' rows once per key block: key_rows), and dS into bfloat16 rows
+// for dQ += dS K. On the Xeon (model 167) summing dV and dK as rows, with Z^T and dS^T the A
+// operands transposed from the finished tiles, spent 13-17 % of a bfloat16 backward on that.
 template <class Engine>
 class Bf16BackwardProducts : public TileBackwardBase<Engine> {
   ATTN_EXT_TILE_BACKWARD_BASE;
@@ -473,8 +482,12 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     do_a_.resize(q_block * Evp32_);
     q_r_.resize(qb32 * Ep16_);
     do_r_.resize(qb32 * Evp16_);
-    t_a_.resize(kv_block * qb32);
+    q_t_.resize(Ep16_ * qb32);
+    do_t_.resize(Evp16_ * qb32);
+    z_panel_.resize(qb32 / 2 * (2 * kv_block + 32));
+    ds_panel_.resize(qb32 / 2 * (2 * kv_block + 32));
     d_a_.resize(q_block * kv_block);
+    key_rows_.resize(kv_block * std::max(Ep16_, Evp16_));
   }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
@@ -491,25 +504,29 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     this->set_rows(m);
     const Bf16* q_rows = row_at<Bf16>(p_->q, p_->q_stride, b, h, i0);
     q_ = a_operand(q_a_.data(), q_rows, p_->q_stride[2], m, m16_, E_, Ep32_);
-    amx::pack_vnni_from_rows(q_r_.data(), bits(q_rows), p_->q_stride[2], m, E_, m32_, Ep16_);
+    transposed_rows(q_t_.data(), q_r_.data(), q_rows, p_->q_stride[2], E_, Ep16_);
     if (from_probs_) return;
     const Bf16* do_rows = row_at<Bf16>(p_->dout, p_->do_stride, b, h, i0);
     do_ = a_operand(do_a_.data(), do_rows, p_->do_stride[2], m, m16_, Ev_, Evp32_);
-    amx::pack_vnni_from_rows(do_r_.data(), bits(do_rows), p_->do_stride[2], m, Ev_, m32_, Evp16_);
+    transposed_rows(do_t_.data(), do_r_.data(), do_rows, p_->do_stride[2], Ev_, Evp16_);
   }
 
   void scores(float* st) { band_products(st, q_, Ep32_, k_t_.data()); }
 
   void grad_probs(float* dst) { band_products(dst, do_, Evp32_, v_t_.data()); }
 
-  void add_dv(float* dv, const float* z) {
-    transposed_a(z);
-    key_products(dv, Evp16_, do_r_.data());
+  // Row r of the query block's Z (its P when there is no dropout) and dS, final, n16 values each.
+  void finish_row(int64_t r, const float* z, const float* ds) {
+    if (!from_probs_) amx::vnni_row_from_f32(z_panel_.data() + (r / 2) * ld_panel(), r, z, n_, n16_);
+    amx::vnni_row_from_f32(ds_panel_.data() + (r / 2) * ld_panel(), r, ds, n_, n16_);
+    amx::convert_rows_to_bf16(d_a_.data() + r * n32_, n32_, ds, 0, 1, n_, n32_);
   }
 
+  // dv^T (Evp16 rows, ld_keys() apart) += dO^T bf16(Z), Z's rows given to finish_row
+  void add_dv(float* dv, const float*) { key_products(dv, Evp16_, do_t_.data(), z_panel_.data()); }
+
   // dq += bf16(dS) K, each block of rows over the keys it sees (32 at a time: the products' depth).
-  void add_dq(float* dq, const float* ds) {
-    amx::convert_rows_to_bf16(d_a_.data(), n32_, ds, ld16_, m_, n_, n32_);
+  void add_dq(float* dq, const float*) {
     zero_rows(d_a_.data(), n32_, m_, m16_);
     this->for_row_blocks(32, [&](int64_t r0, int64_t rows, int64_t begin, int64_t end) {
       Engine::gemm(rows, Ep16_, end - begin, d_a_.data() + r0 * n32_ + begin, n32_, k_r_.data() + begin * Ep16_,
@@ -517,9 +534,14 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  void add_dk(float* dk, const float* ds) {
-    transposed_a(ds);
-    key_products(dk, Ep16_, q_r_.data());
+  // dk^T (Ep16 rows, ld_keys() apart) += Q^T bf16(dS)
+  void add_dk(float* dk, const float*) { key_products(dk, Ep16_, q_t_.data(), ds_panel_.data()); }
+
+  // The first n keys' rows (width apart) of a key block's dK^T or dV^T (width rows ld_keys() apart,
+  // as add_dk and add_dv sum them).
+  const float* key_rows(const float* acc, int64_t width, int64_t n) {
+    amx::transpose_f32(key_rows_.data(), width, acc, ld_keys(), width, n);
+    return key_rows_.data();
   }
 
  private:
@@ -532,22 +554,34 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  // c (n16 x N) += t_a y, y (m32 x N, a VNNI panel of the block's rows).
-  void key_products(float* c, int64_t N, const uint16_t* y) {
+  // c (M x n16, row stride ld_keys) += x^T y for x^T (M x m32 bf16 rows: a block of rows,
+  // transposed) and y (a VNNI panel of the block's rows of a tile, m32 / 2 x 2 n16, row stride
+  // ld_panel, zeroed past m here), each block of keys over the rows that see it.
+  void key_products(float* c, int64_t M, const uint16_t* x_t, uint16_t* y) {
+    amx::zero_vnni_rows(y, ld_panel(), m_, m32_, n16_);
     this->for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
-      Engine::gemm(keys, N, end - begin, t_a_.data() + c0 * m32_ + begin, m32_, y + begin * N, 2 * N, c + c0 * N, N,
-                   true);
+      Engine::gemm(M, keys, end - begin, x_t + begin, m32_, y + (begin / 2) * ld_panel() + 2 * c0, ld_panel(),
+                   c + c0, ld_keys(), true);
     });
   }
 
-  // t_a = bf16(x^T) (n16 x m32) for a float tile x (m x n16, row stride ld16): the A operand of dV and dK.
-  void transposed_a(const float* x) {
-    amx::convert_transposed_to_bf16(t_a_.data(), m32_, x, ld16_, m_, n_, m32_);
-    zero_rows(t_a_.data(), m32_, n_, n16_);
+  // The row stride of the VNNI panels of Z and dS: a cache line past a power of two, so that a
+  // tile's rows do not share the cache's sets.
+  int64_t ld_panel() const { return 2 * n16_ + 32; }
+  // The same for dK^T and dV^T (kv_block_ keys, 16 more in the driver's buffers).
+  int64_t ld_keys() const { return kv_block_ + 16; }
+
+  // x_t (width x m32 bf16, zero past the block's m rows) = X^T for the block's rows of X (cols wide,
+  // row stride ld): the rows as a VNNI panel in vnni (pairs of rows as 32-bit words), whose 32-bit
+  // transpose is X^T.
+  void transposed_rows(uint16_t* x_t, uint16_t* vnni, const Bf16* rows, int64_t ld, int64_t cols, int64_t width) {
+    amx::pack_vnni_from_rows(vnni, bits(rows), ld, m_, cols, m32_, width);
+    amx::pack_vnni_from_transposed(x_t, vnni, 2 * width, m32_ / 2, 2 * width, 2 * width, m32_ / 2);
   }
 
   ARows q_{}, do_{};  // the query block's Q and dO rows as A operands
-  Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, t_a_, d_a_;
+  Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, q_t_, do_t_, z_panel_, ds_panel_, d_a_;
+  Buffer<float> key_rows_;
 };
 
 // float16's backward products on the same engine, in split bfloat16 as the forward's

@@ -1593,6 +1593,10 @@ class VecBackwardProducts {
   }
   // dk (n x Ep) += dS^T (scale Q).
   void add_dk(T* dk, const T* ds) { key_products(dk, Ep_, ds, qt_.data(), T(1)); }
+  // A key block's dK (or dV) rows, width apart, as add_dk (add_dv) sums them: acc itself.
+  const T* key_rows(const T* acc, int64_t, int64_t) { return acc; }
+  // Row r of the query block's Z and dS are final (the products read the tiles themselves).
+  void finish_row(int64_t, const T*, const T*) {}
 
  private:
   // c (m x np, row stride ld) = a (m x K, row stride lda) b (K x np, row stride ld), each row over its band.
@@ -1753,8 +1757,8 @@ void backward_driver(const AttnBwdParams& p) {
     Buffer<T> zt(dropout ? q_block * kv_block : 0);       // dropped P tile
     Buffer<T> dst(q_block * kv_block);                    // dP, then dS
     Buffer<T> tt(softcap ? q_block * kv_block : 0);       // tanh(score / softcap)
-    Buffer<T> dk_acc(kv_block * Ep);
-    Buffer<T> dv_acc(kv_block * Evp);
+    Buffer<T> dk_acc((kv_block + kCols) * Ep);  // as the products lay them out: rows of keys, or (amx)
+    Buffer<T> dv_acc((kv_block + kCols) * Evp);  // Ep or Evp rows of kv_block + kCols keys
     Buffer<T> dq_own(chunks == 1 ? dq_size : 0);
     T* dmask = nullptr;
     if (p.dmask != nullptr)
@@ -1816,10 +1820,12 @@ void backward_driver(const AttnBwdParams& p) {
               T* t = softcap ? tt.data() + r * np : nullptr;
               const int64_t row = lse_index(ps, b, h, i);
               const T row_lse = lse[row];
+              T* z = dropout ? zt.data() + r * np : s;  // what dV's product takes
               if (row_lse == kNegInf) {  // fully masked row: no probability, no gradient
                 std::fill(s, s + npq, T(0));
                 std::fill(ds, ds + npq, T(0));
-                if (dropout) std::fill(zt.data() + r * np, zt.data() + r * np + npq, T(0));
+                if (dropout) std::fill(z, z + npq, T(0));
+                products.finish_row(r, z, ds);
                 continue;
               }
               // the row's keys end by its reach: past them P, Z and dS are 0 (S and dP may be unwritten)
@@ -1855,6 +1861,7 @@ void backward_driver(const AttnBwdParams& p) {
                   (Vec::loadu(ds + j) * (one - tj * tj)).store(ds + j);
                 }
               }
+              products.finish_row(r, z, ds);
             }
             if (!from_probs) products.add_dv(dv_acc.data(), dropout ? zt.data() : pt.data());
             products.add_dq(dq_acc + (g * L + i0) * Ep, dst.data());
@@ -1863,12 +1870,14 @@ void backward_driver(const AttnBwdParams& p) {
         }
 
         scalar_t* dk_bh = static_cast<scalar_t*>(ps.dk) + b * ps.dk_stride[0] + hk * ps.dk_stride[1];
+        const T* dk_rows = products.key_rows(dk_acc.data(), Ep, n);
         for (int64_t j = 0; j < n; ++j)
-          store_row(dk_bh + (j0 + j) * ps.dk_stride[2], ps.dk_stride[3], dk_acc.data() + j * Ep, E, dk_mul);
+          store_row(dk_bh + (j0 + j) * ps.dk_stride[2], ps.dk_stride[3], dk_rows + j * Ep, E, dk_mul);
         if (!from_probs) {
           scalar_t* dv_bh = static_cast<scalar_t*>(ps.dv) + b * ps.dv_stride[0] + hk * ps.dv_stride[1];
+          const T* dv_rows = products.key_rows(dv_acc.data(), Evp, n);
           for (int64_t j = 0; j < n; ++j)
-            store_row(dv_bh + (j0 + j) * ps.dv_stride[2], ps.dv_stride[3], dv_acc.data() + j * Evp, Ev, T(1));
+            store_row(dv_bh + (j0 + j) * ps.dv_stride[2], ps.dv_stride[3], dv_rows + j * Evp, Ev, T(1));
         }
       }
 

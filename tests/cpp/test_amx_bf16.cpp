@@ -194,19 +194,37 @@ void test_convert_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ld
   check(ok, "convert_rows_to_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) + " Kp=" + std::to_string(Kp));
 }
 
-void test_convert_transposed(int64_t M, int64_t K, int64_t Mp, int64_t lds, int64_t ldd) {
+// The VNNI panel of M fp32 rows (N wide, row stride lds) built row by row with vnni_row_from_f32,
+// its rows M..Mp zeroed by zero_vnni_rows: bf16(src) in pack_vnni_from_rows' layout, zero past M
+// and N, nothing written past the panel's 2 Np words a row (row stride ldd).
+void test_vnni_rows_from_f32(int64_t M, int64_t N, int64_t Mp, int64_t Np, int64_t lds, int64_t ldd) {
   const std::vector<float> src = rounding_inputs(M * lds + 16);
-  std::vector<uint16_t> dst(K * ldd + 64, kSentinel);
-  amx::convert_transposed_to_bf16(dst.data(), ldd, src.data(), lds, M, K, Mp);
+  std::vector<uint16_t> dst((Mp / 2) * ldd + 64, kSentinel);
+  for (int64_t r = 0; r < M; ++r) amx::vnni_row_from_f32(dst.data() + (r / 2) * ldd, r, src.data() + r * lds, N, Np);
+  amx::zero_vnni_rows(dst.data(), ldd, M, Mp, Np);
+  bool ok = true;
+  for (int64_t kk = 0; kk < Mp / 2; ++kk)
+    for (int64_t w = 0; w < ldd; ++w) {
+      const uint16_t got = dst[kk * ldd + w];
+      const int64_t row = 2 * kk + w % 2, n = w / 2;
+      ok &= w >= 2 * Np ? got == kSentinel : row < M && n < N ? same_bf16(got, ref_bf16(src[row * lds + n])) : got == 0;
+    }
+  for (size_t i = (Mp / 2) * ldd; i < dst.size(); ++i) ok &= dst[i] == kSentinel;
+  check(ok, "vnni_row_from_f32 + zero_vnni_rows M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                " Mp=" + std::to_string(Mp) + " Np=" + std::to_string(Np));
+}
+
+void test_transpose_f32(int64_t M, int64_t K, int64_t lds, int64_t ldd) {
+  std::vector<float> src(M * lds + 16);
+  for (auto& x : src) x = uniform();
+  const float sentinel = -1234.5f;
+  std::vector<float> dst(K * ldd + 16, sentinel);
+  amx::transpose_f32(dst.data(), ldd, src.data(), lds, M, K);
   bool ok = true;
   for (int64_t k = 0; k < K; ++k)
-    for (int64_t m = 0; m < ldd; ++m) {
-      const uint16_t got = dst[k * ldd + m];
-      ok &= m < M ? same_bf16(got, ref_bf16(src[m * lds + k])) : m < Mp ? got == 0 : got == kSentinel;
-    }
-  for (size_t i = K * ldd; i < dst.size(); ++i) ok &= dst[i] == kSentinel;
-  check(ok, "convert_transposed_to_bf16 M=" + std::to_string(M) + " K=" + std::to_string(K) +
-                " Mp=" + std::to_string(Mp));
+    for (int64_t m = 0; m < ldd; ++m) ok &= dst[k * ldd + m] == (m < M ? src[m * lds + k] : sentinel);
+  for (size_t i = K * ldd; i < dst.size(); ++i) ok &= dst[i] == sentinel;
+  check(ok, "transpose_f32 M=" + std::to_string(M) + " K=" + std::to_string(K));
 }
 
 void test_copy_rows(int64_t M, int64_t K, int64_t Kp, int64_t lds, int64_t ldd) {
@@ -335,12 +353,18 @@ void test_pipeline(Gemm g, int64_t L, int64_t S, int64_t E) {
   amx::pack_vnni_from_transposed(Kv.data(), Kt.data(), E, S, E, Ep, Sp);
   std::vector<float> Sc(Lp * Sp);
   g.fn(Lp, Sp, Ep, Qb.data(), Ep, Kv.data(), 2 * Sp, Sc.data(), Sp, false);
-  // T = S^T Q' where Q' = bf16(Q) (L x E): A = bf16(S^T) (Sp x Lp), B = Q' packed from rows (L x E).
-  std::vector<uint16_t> St(Sp * Lp, 0), Qv(Lp * Ep);
-  amx::convert_transposed_to_bf16(St.data(), Lp, Sc.data(), Sp, L, S, Lp);
+  // T = S^T Q' where Q' = bf16(Q) (L x E), as the backward sums dK: T^T = Q'^T bf16(S) with A = Q'^T
+  // (Ep x Lp: Q' packed from rows, then its 32-bit words transposed) and B = bf16(S) as a VNNI panel
+  // of its rows (row by row, vnni_row_from_f32), then T^T back to rows (transpose_f32).
+  std::vector<uint16_t> Qv(Lp * Ep), Qt(Ep * Lp), Sv((Lp / 2) * (2 * Sp + 32));
   amx::pack_vnni_from_rows(Qv.data(), Qb.data(), Ep, L, E, Lp, Ep);
-  std::vector<float> T(Sp * Ep);
-  g.fn(Sp, Ep, Lp, St.data(), Lp, Qv.data(), 2 * Ep, T.data(), Ep, false);
+  amx::pack_vnni_from_transposed(Qt.data(), Qv.data(), 2 * Ep, Lp / 2, 2 * Ep, 2 * Ep, Lp / 2);
+  const int64_t ldv = 2 * Sp + 32;
+  for (int64_t l = 0; l < L; ++l) amx::vnni_row_from_f32(Sv.data() + (l / 2) * ldv, l, Sc.data() + l * Sp, S, Sp);
+  amx::zero_vnni_rows(Sv.data(), ldv, L, Lp, Sp);
+  std::vector<float> Tt(Ep * (Sp + 16)), T(Sp * Ep);
+  g.fn(Ep, Sp, Lp, Qt.data(), Lp, Sv.data(), ldv, Tt.data(), Sp + 16, false);
+  amx::transpose_f32(T.data(), Ep, Tt.data(), Sp + 16, Ep, Sp);
   double err = 0, norm = 0;
   for (int64_t s = 0; s < S; ++s)
     for (int64_t e = 0; e < E; ++e) {
@@ -440,8 +464,13 @@ void bench(bool tiles) {
                [&] { amx::pack_vnni_from_transposed(dst.data(), src.data(), 128, 64, 128, 128, 64); });
   bench_helper("convert_rows_to_bf16       M=64  K=128",
                [&] { amx::convert_rows_to_bf16(dst.data(), 128, srcf.data(), 128, 64, 128, 128); });
-  bench_helper("convert_transposed_to_bf16 M=64  K=128",
-               [&] { amx::convert_transposed_to_bf16(dst.data(), 64, srcf.data(), 128, 64, 128, 64); });
+  bench_helper("vnni_row_from_f32 x 64      N=128",
+               [&] {
+                 for (int64_t r = 0; r < 64; ++r)
+                   amx::vnni_row_from_f32(dst.data() + (r / 2) * 256, r, srcf.data() + r * 128, 128, 128);
+               });
+  bench_helper("transpose_f32              M=64  K=128",
+               [&] { amx::transpose_f32(srcf.data() + 64 * 128, 64, srcf.data(), 128, 64, 128); });
 }
 
 }  // namespace
@@ -487,8 +516,9 @@ int main(int argc, char** argv) {
     test_pack_vnni_from_transposed(N, K, Kp, Np, K + rand_int(0, 9));
     const int64_t M = rand_int(1, 100), Kq = round_up(K, 32) + rand_int(0, 40);
     test_convert_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
-    test_convert_transposed(M, K, round_up(M, 32) + rand_int(0, 40), K + rand_int(0, 9),
-                            round_up(M, 32) + 48);
+    const int64_t Mp = round_up(M, 32) + 32 * rand_int(0, 1), Np16 = round_up(K, 16) + 16 * rand_int(0, 1);
+    test_vnni_rows_from_f32(M, K, Mp, Np16, K + rand_int(0, 9), 2 * Np16 + 32 * rand_int(0, 2));
+    test_transpose_f32(M, K, K + rand_int(0, 9), M + rand_int(0, 20));
     test_copy_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
   }
   for (auto [K, Kp, lds, ldd] : {std::array<int64_t, 4>{64, 64, 64, 64}, {40, 64, 45, 80}, {200, 224, 203, 256},

@@ -129,22 +129,37 @@ def test_multi_tile_probs_match_reference(device):
     assert rel_err(got, want) < TOL
 
 
-# Query blocks of a few rows (decoding: up to 6 in float32 and 16 in float16/bfloat16 on
-# at::vec, kDirectRows / kDirectRowsConverted; 8 with bfloat16 on the amx variant, kDotRows)
-# read each key row in place instead of packing K^T: every dtype, contiguous or strided keys,
-# over several key tiles (S = 600), with the mask, bottom-right causal bound and GQA of a
-# cached decoding step; on either side of each limit. "transposed" is a (B, S, H, E) layout:
-# float32 value rows are read in place by a few query rows, packed once per head by the
-# block products (in place only when contiguous).
-@pytest.mark.parametrize("L", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
+# Query blocks of a few rows (decoding) read each key row in place instead of packing K^T, up
+# to limits the library reports (build_info: cpu_direct_rows for float32/float64 and
+# cpu_direct_rows_converted for float16/bfloat16 on at::vec, cpu_dot_rows for bfloat16 on the
+# amx variant): every dtype, contiguous or strided keys, over several key tiles (S = 600), with
+# the mask, bottom-right causal bound and GQA of a cached decoding step; 1-3 rows and each
+# limit and the row after it. "transposed" is a (B, S, H, E) layout: float32 value rows are
+# read in place by a few query rows, packed once per head by the block products (in place
+# only when contiguous).
+DECODE_ROWS = ["1", "2", "3", "cpu_direct_rows", "cpu_direct_rows+1", "cpu_direct_rows_converted",
+               "cpu_direct_rows_converted+1", "cpu_dot_rows", "cpu_dot_rows+1"]
+
+
+def _decode_rows(name):
+    """Query rows for a DECODE_ROWS entry: a number, or a limit from build_info (+1: past it)."""
+    from attn_ext import _build
+
+    base, _, extra = name.partition("+")
+    rows = int(base) if base.isdigit() else int(_build.library_info()[base])
+    return rows + int(extra or 0)
+
+
+@pytest.mark.parametrize("rows", DECODE_ROWS)
 @pytest.mark.parametrize("layout", ["contiguous", "strided_last", "transposed"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16],
                          ids=["float64", "float32", "bfloat16", "float16"])
-def test_decode_rows_match_reference(L, layout, dtype, device):
+def test_decode_rows_match_reference(rows, layout, dtype, device):
     from attn_ext.reference import attention_probs_reference
 
     from helpers import run_forward_case
 
+    L = _decode_rows(rows)
     attn_ext = attn_ext_module()
     S = 600
     q, k, v = make_qkv(2, 4, 2, L, S, 24, 16, dtype, device, seed=L, layout=layout)

@@ -716,9 +716,7 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
 };
 #undef ATTN_EXT_TILE_BACKWARD_BASE
 
-// Calls of up to kDotRows query rows per block: decoding steps (a grouped-query
-// step's group as rows, a few speculative tokens). See dots_suit.
-constexpr int64_t kDotRows = 8;
+// Calls of up to kDotRows (kernels.h) query rows per block take Bf16DotProducts.
 
 // The products take whole tiles of 16 query rows. From kDotRows + 1 rows on they
 // pay off even when a tile is partly empty: measured on the AMD EPYC Zen 4 (the

@@ -660,21 +660,8 @@ inline void pack_transposed(T* dst, int64_t ld, const scalar_t* src, int64_t rs,
     for (int64_t j = n; j < ld; ++j) dst[d * ld + j] = T(0);
 }
 
-// Query blocks of up to kDirectRows rows (decoding: L = 1; a grouped-query
-// step's group as rows) read each key row in place: packing K^T for the
-// micro-kernel would cost more than such a product. Measured (float32, 1 x 8
-// heads x 4000 keys, 2 threads), in place against packed: on the Xeon 4 rows
-// 0.95 ms against 1.33, 8 rows 1.55 against 1.38; on the AMD EPYC Zen 4 (three
-// alternating rounds) 5 rows 0.50-0.56 against 0.65-0.76, 6 rows 0.60-0.64
-// against 0.72-0.77, 8 rows 0.78-0.81 against 0.84-0.96. Six rows: faster on
-// the Zen 4, and between the Xeon's two measured points.
-constexpr int64_t kDirectRows = 6;
-// float16 and bfloat16 on at::vec: packing converts every key to float32
-// first, a cost per call that few rows do not repay. Measured on the Zen 4
-// (float16, 1 x 8 heads x 4000 keys, 2 threads), in place against packed:
-// 8 rows 0.93-0.96 ms against 3.13, 12 rows 1.05 against 2.12-2.15, 16 rows
-// 1.35-1.37 against 2.29-2.37.
-constexpr int64_t kDirectRowsConverted = 16;
+// Query blocks of up to kDirectRows (float32, float64) or kDirectRowsConverted (float16,
+// bfloat16) rows read each key row in place (kernels.h has the measurements).
 
 // Lane t of the result is the sum of the lanes of parts[t] (VS vectors in):
 // the dot products of VS keys at once (lane_sums.h: an add tree, about three

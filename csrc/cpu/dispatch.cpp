@@ -137,6 +137,9 @@ std::string kernel_info() {
   os << ";cpu_l2_bytes=" << l2_cache_bytes() << ";cpu_tile_rows=" << kMaxQTile << ";cpu_forward_tile_keys="
      << kMinTileKeys << ".." << kMaxForwardKeys << ";cpu_backward_tile_keys=" << kMinTileKeys << ".."
      << kMaxBackwardKeys;
+  // query blocks this small read key rows in place (decoding)
+  os << ";cpu_direct_rows=" << kDirectRows << ";cpu_direct_rows_converted=" << kDirectRowsConverted
+     << ";cpu_dot_rows=" << kDotRows;
   return os.str();
 }
 

@@ -29,6 +29,26 @@ struct BlockSizes {
 constexpr int64_t kMaxQTile = 64;
 constexpr int64_t kMaxForwardKeys = 512, kMaxBackwardKeys = 256, kMinTileKeys = 128;
 
+// Query blocks of up to kDirectRows rows (decoding: L = 1; a grouped-query
+// step's group as rows) read each key row in place: packing K^T for the
+// micro-kernel would cost more than such a product. Measured (float32, 1 x 8
+// heads x 4000 keys, 2 threads), in place against packed: on the Xeon 4 rows
+// 0.95 ms against 1.33, 8 rows 1.55 against 1.38; on the AMD EPYC Zen 4 (three
+// alternating rounds) 5 rows 0.50-0.56 against 0.65-0.76, 6 rows 0.60-0.64
+// against 0.72-0.77, 8 rows 0.78-0.81 against 0.84-0.96. Six rows: faster on
+// the Zen 4, and between the Xeon's two measured points.
+constexpr int64_t kDirectRows = 6;
+// float16 and bfloat16 on at::vec: packing converts every key to float32
+// first, a cost per call that few rows do not repay. Measured on the Zen 4
+// (float16, 1 x 8 heads x 4000 keys, 2 threads), in place against packed:
+// 8 rows 0.93-0.96 ms against 3.13, 12 rows 1.05 against 2.12-2.15, 16 rows
+// 1.35-1.37 against 2.29-2.37.
+constexpr int64_t kDirectRowsConverted = 16;
+
+// Calls of up to kDotRows query rows per block: decoding steps (a grouped-query
+// step's group as rows, a few speculative tokens). See dots_suit (attention_kernel_amx.cpp).
+constexpr int64_t kDotRows = 8;
+
 // Defined in dispatch.cpp, compiled once without the variants' ISA flags (the variants' units
 // call them; an inline definition here would be compiled under every unit's flags).
 int64_t l2_cache_bytes();  // per core; 512 KiB where the OS does not say
@@ -80,7 +100,8 @@ bool cpu_supports(const std::string& isa);
 const CpuKernels& active_kernels();
 
 // "cpu_isas=...;cpu_isas_supported=...;cpu_isa_active=...;cpu_l2_bytes=...;cpu_tile_rows=64;
-// cpu_forward_tile_keys=128..512;cpu_backward_tile_keys=128..256": for build_info.
+// cpu_forward_tile_keys=128..512;cpu_backward_tile_keys=128..256;cpu_direct_rows=6;
+// cpu_direct_rows_converted=16;cpu_dot_rows=8": for build_info.
 std::string kernel_info();
 
 void attention_forward(const AttnParams& params);

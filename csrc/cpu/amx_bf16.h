@@ -440,18 +440,26 @@ inline void transposed_blocks(const float* src, int64_t lds, int64_t M, int64_t 
 
 }  // namespace detail
 
+namespace detail {
+
+// 16 bf16 values (bits) into the words of parity r % 2 of a VNNI panel's row from column j on: the
+// words (r / 2, 2 (j + i) + r % 2) of the panel of rows, the other parity's left as they are.
+inline void store_vnni_words(uint16_t* panel_row, int64_t r, int64_t j, __m256i bits) {
+  const bool odd = r % 2 != 0;
+  const __m512i w = _mm512_cvtepu16_epi32(bits);
+  _mm512_mask_storeu_epi16(panel_row + 2 * j, odd ? 0xaaaaaaaau : 0x55555555u, odd ? _mm512_slli_epi32(w, 16) : w);
+}
+
+}  // namespace detail
+
 // Row r of an fp32 tile into the VNNI panel of the tile's rows (as pack_vnni_from_rows lays them
 // out): bf16(x[j]) as element (r / 2, 2j + r % 2), i.e. the words of parity r % 2 of the panel's
 // row `panel_row`, for j < n, zero for n <= j < np (np % 16 == 0). The other parity's words are
 // left as they are. (For P and dS as the B operand of dV^T = dO^T P and dK^T = Q^T dS, written as
 // each row is finished, while it is in L1.) Rounding as convert_rows_to_bf16.
 inline void vnni_row_from_f32(uint16_t* panel_row, int64_t r, const float* x, int64_t n, int64_t np) {
-  const bool odd = r % 2 != 0;
-  const __mmask32 words = odd ? 0xaaaaaaaau : 0x55555555u;
-  for (int64_t j = 0; j < np; j += 16) {
-    const __m512i w = _mm512_cvtepu16_epi32(detail::cvt_bf16(_mm512_maskz_loadu_ps(detail::mask16(n - j), x + j)));
-    _mm512_mask_storeu_epi16(panel_row + 2 * j, words, odd ? _mm512_slli_epi32(w, 16) : w);
-  }
+  for (int64_t j = 0; j < np; j += 16)
+    detail::store_vnni_words(panel_row, r, j, detail::cvt_bf16(_mm512_maskz_loadu_ps(detail::mask16(n - j), x + j)));
 }
 
 // Rows [m, mp) of a VNNI panel of rows (row stride ldd, 2 np words each) to zero: the panel's rows
@@ -533,18 +541,17 @@ inline void split_rows_from_f32(uint16_t* hi, int64_t ldh, uint16_t* lo, int64_t
   });
 }
 
-// Split bfloat16 of a transposed fp32 matrix: hi[k][m] + lo[k][m] = src[m][k] (as split_rows) for
-// k < K, m < M; 0 for M <= m < Mp; rows k >= K not written. src: M x K, row stride lds; hi and lo:
-// row stride ldd >= Mp (the A operands of dV and dK).
-inline void split_transposed_from_f32(uint16_t* hi, uint16_t* lo, int64_t ldd, const float* src, int64_t lds,
-                                      int64_t M, int64_t K, int64_t Mp) {
-  assert(Mp >= M && ldd >= Mp);
-  detail::transposed_blocks(src, lds, M, K, Mp, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
+// Split bfloat16 of vnni_row_from_f32: row r of an fp32 tile as hi (bf16(x)) into the VNNI panel
+// row hi_row and lo (bf16(x - hi), as split_rows) into lo_row, the words of parity r % 2 of each
+// (float16's Z and dS as the B operands of dV^T and dK^T).
+inline void split_vnni_row_from_f32(uint16_t* hi_row, uint16_t* lo_row, int64_t r, const float* x, int64_t n,
+                                    int64_t np) {
+  for (int64_t j = 0; j < np; j += 16) {
     __m256i h, l;
-    detail::split_bf16(x, h, l);
-    _mm256_mask_storeu_epi16(hi + k * ldd + m0, mask, h);
-    _mm256_mask_storeu_epi16(lo + k * ldd + m0, mask, l);
-  });
+    detail::split_bf16(_mm512_maskz_loadu_ps(detail::mask16(n - j), x + j), h, l);
+    detail::store_vnni_words(hi_row, r, j, h);
+    detail::store_vnni_words(lo_row, r, j, l);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -214,6 +214,38 @@ void test_vnni_rows_from_f32(int64_t M, int64_t N, int64_t Mp, int64_t Np, int64
                 " Mp=" + std::to_string(Mp) + " Np=" + std::to_string(Np));
 }
 
+// The split VNNI panels (hi, lo) of M fp32 rows built row by row with split_vnni_row_from_f32, rows
+// M..Mp zeroed: hi = bf16(x) and lo = bf16(x - hi) (split_rows_from_f32's split) in
+// pack_vnni_from_rows' layout, zero past M and N, nothing written past 2 Np words a row.
+void test_split_vnni_rows_from_f32(int64_t M, int64_t N, int64_t Mp, int64_t Np, int64_t lds, int64_t ldd) {
+  const std::vector<float> src = rounding_inputs(M * lds + 16);
+  std::vector<uint16_t> hi((Mp / 2) * ldd + 64, kSentinel), lo(hi.size(), kSentinel);
+  for (int64_t r = 0; r < M; ++r)
+    amx::split_vnni_row_from_f32(hi.data() + (r / 2) * ldd, lo.data() + (r / 2) * ldd, r, src.data() + r * lds, N, Np);
+  amx::zero_vnni_rows(hi.data(), ldd, M, Mp, Np);
+  amx::zero_vnni_rows(lo.data(), ldd, M, Mp, Np);
+  bool ok = true;
+  for (int64_t kk = 0; kk < Mp / 2; ++kk)
+    for (int64_t w = 0; w < ldd; ++w) {
+      const uint16_t h = hi[kk * ldd + w], l = lo[kk * ldd + w];
+      const int64_t row = 2 * kk + w % 2, n = w / 2;
+      if (w >= 2 * Np) {
+        ok &= h == kSentinel && l == kSentinel;
+      } else if (row < M && n < N) {
+        const float x = src[row * lds + n];
+        const uint16_t want_hi = ref_bf16(x);
+        ok &= same_bf16(h, want_hi);
+        if (!std::isnan(x) && !std::isinf(bf16_to_float(want_hi)))
+          ok &= same_bf16(l, ref_bf16(x - bf16_to_float(want_hi)));
+      } else {
+        ok &= h == 0 && l == 0;
+      }
+    }
+  for (size_t i = (Mp / 2) * ldd; i < hi.size(); ++i) ok &= hi[i] == kSentinel && lo[i] == kSentinel;
+  check(ok, "split_vnni_row_from_f32 + zero_vnni_rows M=" + std::to_string(M) + " N=" + std::to_string(N) +
+                " Mp=" + std::to_string(Mp) + " Np=" + std::to_string(Np));
+}
+
 void test_transpose_f32(int64_t M, int64_t K, int64_t lds, int64_t ldd) {
   std::vector<float> src(M * lds + 16);
   for (auto& x : src) x = uniform();
@@ -518,6 +550,7 @@ int main(int argc, char** argv) {
     test_convert_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
     const int64_t Mp = round_up(M, 32) + 32 * rand_int(0, 1), Np16 = round_up(K, 16) + 16 * rand_int(0, 1);
     test_vnni_rows_from_f32(M, K, Mp, Np16, K + rand_int(0, 9), 2 * Np16 + 32 * rand_int(0, 2));
+    test_split_vnni_rows_from_f32(M, K, Mp, Np16, K + rand_int(0, 9), 2 * Np16 + 32 * rand_int(0, 2));
     test_transpose_f32(M, K, K + rand_int(0, 9), M + rand_int(0, 20));
     test_copy_rows(M, K, Kq, K + rand_int(0, 9), Kq + rand_int(0, 20));
   }

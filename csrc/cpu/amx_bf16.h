@@ -438,10 +438,6 @@ inline void transposed_blocks(const float* src, int64_t lds, int64_t M, int64_t 
   }
 }
 
-}  // namespace detail
-
-namespace detail {
-
 // 16 bf16 values (bits) into the words of parity r % 2 of a VNNI panel's row from column j on: the
 // words (r / 2, 2 (j + i) + r % 2) of the panel of rows, the other parity's left as they are.
 inline void store_vnni_words(uint16_t* panel_row, int64_t r, int64_t j, __m256i bits) {

@@ -396,10 +396,14 @@ class TileBackwardBase {
 
   void bind(const AttnBwdParams& p) { p_ = &p; }
 
-  // dK and dV as the products sum them: rows of keys (Bf16BackwardProducts sums them as columns).
-  const float* key_rows(const float* acc, int64_t, int64_t) { return acc; }
-  // Row r of the query block's Z and dS are final (Bf16BackwardProducts converts them then).
-  void finish_row(int64_t, const float*, const float*) {}
+  // dK and dV as the products sum them, as keys' columns (dK^T += Q^T dS, dV^T += dO^T Z: width
+  // rows ld_keys() apart), turned back into the first n keys' rows (width apart) once per key block.
+  // Summing dK = dS^T Q as rows needs dS^T and Z^T as A operands, transposed from every (query
+  // block, key block) pair's float32 tiles: 13-17 % of a bfloat16 backward on the Xeon (model 167).
+  const float* key_rows(const float* acc, int64_t width, int64_t n) {
+    amx::transpose_f32(key_rows_.data(), width, acc, ld_keys(), width, n);
+    return key_rows_.data();
+  }
 
   // The next products take only the first n keys of the loaded block (the query block sees no
   // more), and of those only the band row r sees, [first + r, reach + r) (band_columns), in
@@ -419,6 +423,7 @@ class TileBackwardBase {
         Evp16_(round_up(std::max<int64_t>(p.Ev, 1), 16)), Evp32_(round_up(p.Ev, 32)), kv_block_(kv_block),
         from_probs_(p.dprobs != nullptr) {
     Engine::start();
+    key_rows_.resize(kv_block * std::max(Ep16_, Evp16_));
   }
   ~TileBackwardBase() { Engine::stop(); }
 
@@ -447,18 +452,30 @@ class TileBackwardBase {
     }
   }
 
+  // Elements of a VNNI panel of q_block rows of Z or dS (the B operands of dV^T and dK^T, written
+  // row by row as the driver finishes them: finish_row), at ld_panel() for kv_block keys.
+  static int64_t panel_size(int64_t q_block, int64_t kv_block) {
+    return round_up(q_block, 32) / 2 * (2 * kv_block + 32);
+  }
+  // Those panels' row stride: a cache line past a power of two, so that a tile's rows do not share
+  // the cache's sets (at 1 KiB the products ran about 10 % slower).
+  int64_t ld_panel() const { return 2 * n16_ + 32; }
+  // The same for dK^T and dV^T (kv_block_ keys, 16 more in the driver's buffers).
+  int64_t ld_keys() const { return kv_block_ + 16; }
+
   static constexpr int64_t kBand = Engine::kBandRows;
   const AttnBwdParams* p_;
   const int64_t E_, Ev_, Ep16_, Ep32_, Evp16_, Evp32_, kv_block_;
   const bool from_probs_;
   int64_t m_ = 0, m16_ = 0, m32_ = 0, n_ = 0, n16_ = 0, n32_ = 0, ld16_ = 0, reach_ = 0, first_ = 0;
+  Buffer<float> key_rows_;
 };
 
 #define ATTN_EXT_TILE_BACKWARD_BASE                                                                          \
   using Base = TileBackwardBase<Engine>;                                                                     \
   using Base::E_, Base::Ev_, Base::Ep16_, Base::Ep32_, Base::Evp16_, Base::Evp32_, Base::kv_block_,           \
       Base::from_probs_, Base::m_, Base::m16_, Base::m32_, Base::n_, Base::n16_, Base::n32_, Base::ld16_,     \
-      Base::p_
+      Base::p_, Base::panel_size, Base::ld_panel, Base::ld_keys
 
 // bfloat16's backward products: Q and dO kept unscaled as bfloat16 A rows (read in place where
 // they need no padding, a_operand) for S and dP, and transposed (Q^T, dO^T: the A operands of
@@ -466,8 +483,7 @@ class TileBackwardBase {
 // panels. Each row of Z and dS, once the driver has finished it (finish_row), is rounded to
 // bfloat16 into VNNI panels of the rows for dV^T += dO^T Z and dK^T += Q^T dS (summed as keys'
 // columns, turned back into keys' rows once per key block: key_rows), and dS into bfloat16 rows
-// for dQ += dS K. On the Xeon (model 167) summing dV and dK as rows, with Z^T and dS^T the A
-// operands transposed from the finished tiles, spent 13-17 % of a bfloat16 backward on that.
+// for dQ += dS K.
 template <class Engine>
 class Bf16BackwardProducts : public TileBackwardBase<Engine> {
   ATTN_EXT_TILE_BACKWARD_BASE;
@@ -484,10 +500,9 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     do_r_.resize(qb32 * Evp16_);
     q_t_.resize(Ep16_ * qb32);
     do_t_.resize(Evp16_ * qb32);
-    z_panel_.resize(qb32 / 2 * (2 * kv_block + 32));
-    ds_panel_.resize(qb32 / 2 * (2 * kv_block + 32));
+    z_panel_.resize(panel_size(q_block, kv_block));
+    ds_panel_.resize(panel_size(q_block, kv_block));
     d_a_.resize(q_block * kv_block);
-    key_rows_.resize(kv_block * std::max(Ep16_, Evp16_));
   }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
@@ -537,13 +552,6 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
   // dk^T (Ep16 rows, ld_keys() apart) += Q^T bf16(dS)
   void add_dk(float* dk, const float*) { key_products(dk, Ep16_, q_t_.data(), ds_panel_.data()); }
 
-  // The first n keys' rows (width apart) of a key block's dK^T or dV^T (width rows ld_keys() apart,
-  // as add_dk and add_dv sum them).
-  const float* key_rows(const float* acc, int64_t width, int64_t n) {
-    amx::transpose_f32(key_rows_.data(), width, acc, ld_keys(), width, n);
-    return key_rows_.data();
-  }
-
  private:
   // c (m16 x n16, row stride ld16) = a (m16 x K bf16 rows) bv (K x n16, a VNNI panel of the
   // block's keys), each block of rows over its band's columns only.
@@ -565,12 +573,6 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  // The row stride of the VNNI panels of Z and dS: a cache line past a power of two, so that a
-  // tile's rows do not share the cache's sets.
-  int64_t ld_panel() const { return 2 * n16_ + 32; }
-  // The same for dK^T and dV^T (kv_block_ keys, 16 more in the driver's buffers).
-  int64_t ld_keys() const { return kv_block_ + 16; }
-
   // x_t (width x m32 bf16, zero past the block's m rows) = X^T for the block's rows of X (cols wide,
   // row stride ld): the rows as a VNNI panel in vnni (pairs of rows as 32-bit words), whose 32-bit
   // transpose is X^T.
@@ -581,7 +583,6 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
 
   ARows q_{}, do_{};  // the query block's Q and dO rows as A operands
   Buffer<uint16_t> k_t_, v_t_, k_r_, q_a_, do_a_, q_r_, do_r_, q_t_, do_t_, z_panel_, ds_panel_, d_a_;
-  Buffer<float> key_rows_;
 };
 
 // float16's backward products on the same engine, in split bfloat16 as the forward's
@@ -592,8 +593,8 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
 // dV and dK are summed as keys' columns: each finished row of Z and dS is split into VNNI panels
 // of the rows (finish_row), Q^T and dO^T (hi and lo) come from their rows' VNNI panels by the
 // 32-bit transpose, and dK^T and dV^T turn back into rows once per key block (key_rows). Summed
-// as rows, with split Z^T and dS^T transposed from the finished tiles, the transposes took 12 %
-// of a causal 1 x 8 x 4096 x 64 backward (Xeon model 167).
+// as rows, the split Z^T and dS^T transposed from the finished tiles took 12 % of the samples of
+// causal 1 x 8 x 4096 x 64 float16 backward calls (Xeon model 167).
 template <class Engine>
 class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
   ATTN_EXT_TILE_BACKWARD_BASE;
@@ -615,10 +616,9 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
     q_tl_.resize(Ep16_ * qb32);
     do_th_.resize(Evp16_ * qb32);
     do_tl_.resize(Evp16_ * qb32);
-    for (auto* panel : {&z_hi_, &z_lo_, &ds_hi_, &ds_lo_}) panel->resize(qb32 / 2 * (2 * kv_block + 32));
+    for (auto* panel : {&z_hi_, &z_lo_, &ds_hi_, &ds_lo_}) panel->resize(panel_size(q_block, kv_block));
     d_hi_.resize(q_block * kv_block);
     d_lo_.resize(q_block * kv_block);
-    key_rows_.resize(kv_block * w16);
   }
 
   void load_kv(int64_t b, int64_t hk, int64_t j0, int64_t n) {
@@ -684,12 +684,6 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
     key_products(dk, Ep16_, q_th_.data(), q_tl_.data(), ds_hi_.data(), ds_lo_.data());
   }
 
-  // The first n keys' rows (width apart) of a key block's dK^T or dV^T (width rows ld_keys() apart).
-  const float* key_rows(const float* acc, int64_t width, int64_t n) {
-    amx::transpose_f32(key_rows_.data(), width, acc, ld_keys(), width, n);
-    return key_rows_.data();
-  }
-
  private:
   // The block's rows of X (Q or dO, `width` columns): a (m16 x 4 w32) = [Xh | Xh | Xl | Xl] and
   // X^T split, th and tl (w16 x m32, zero past the block's m rows): VNNI panels of Xh's and Xl's
@@ -729,13 +723,8 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  // Row strides a cache line past a power of two, as Bf16BackwardProducts'.
-  int64_t ld_panel() const { return 2 * n16_ + 32; }
-  int64_t ld_keys() const { return kv_block_ + 16; }
-
   Buffer<uint16_t> rows_, k_t_, v_t_, k_rh_, k_rl_, q_a_, do_a_, rh_, rl_, q_th_, q_tl_, do_th_, do_tl_, z_hi_, z_lo_,
       ds_hi_, ds_lo_, d_hi_, d_lo_;
-  Buffer<float> key_rows_;
 };
 #undef ATTN_EXT_TILE_BACKWARD_BASE
 

@@ -419,25 +419,6 @@ inline void convert_rows_to_bf16(uint16_t* dst, int64_t ldd, const float* src, i
 
 namespace detail {
 
-// For 16 x 16 blocks of src (M x K fp32, row stride lds; rows M..Mp read as 0): store(k, m0, mask, x)
-// with x = src[m0 .. m0 + 16)[k] (zero past M) and mask the lanes m0 + i < Mp, for k < K.
-template <typename Store>
-inline void transposed_blocks(const float* src, int64_t lds, int64_t M, int64_t K, int64_t Mp, Store&& store) {
-  for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
-    const __mmask16 store_mask = mask16(Mp - m0);
-    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
-      const __mmask16 m = mask16(K - k0);
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (m0 + i) * lds + k0))
-                          : _mm512_setzero_si512();
-      transpose16x16_epi32(r);
-      const int64_t rows = K - k0 < 16 ? K - k0 : 16;
-      for (int64_t j = 0; j < rows; ++j) store(k0 + j, m0, store_mask, _mm512_castsi512_ps(r[j]));
-    }
-  }
-}
-
 // 16 bf16 values (bits) into the words of parity r % 2 of a VNNI panel's row from column j on: the
 // words (r / 2, 2 (j + i) + r % 2) of the panel of rows, the other parity's left as they are.
 inline void store_vnni_words(uint16_t* panel_row, int64_t r, int64_t j, __m256i bits) {
@@ -471,9 +452,19 @@ inline void zero_vnni_rows(uint16_t* panel, int64_t ldd, int64_t m, int64_t mp, 
 // dst[k][m] = src[m][k] for m < M, k < K, fp32. src: M x K, row stride lds; dst: K rows, row stride
 // ldd >= M. (For dK^T and dV^T summed by gemm as C, back to rows of keys.)
 inline void transpose_f32(float* dst, int64_t ldd, const float* src, int64_t lds, int64_t M, int64_t K) {
-  detail::transposed_blocks(src, lds, M, K, M, [&](int64_t k, int64_t m0, __mmask16 mask, __m512 x) {
-    _mm512_mask_storeu_ps(dst + k * ldd + m0, mask, x);
-  });
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const __mmask16 rows_in = detail::mask16(M - m0);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {  // 16 x 16 block: src rows m0.., columns k0..
+      const __mmask16 cols = detail::mask16(K - k0);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = m0 + i < M ? _mm512_castps_si512(_mm512_maskz_loadu_ps(cols, src + (m0 + i) * lds + k0))
+                          : _mm512_setzero_si512();
+      detail::transpose16x16_epi32(r);
+      for (int64_t j = 0; j < std::min<int64_t>(K - k0, 16); ++j)
+        _mm512_mask_storeu_ps(dst + (k0 + j) * ldd + m0, rows_in, _mm512_castsi512_ps(r[j]));
+    }
+  }
 }
 
 // bf16 copy with column padding: dst[m][k] = src[m][k] for k < K, 0 for K <= k < Kp; rows >= M not written.

@@ -452,6 +452,29 @@ class TileBackwardBase {
     }
   }
 
+  // x_t (width x m32 bf16) = the transpose of the block's rows X, given as their VNNI panel
+  // (m32 / 2 rows of 2 width: pairs of rows as 32-bit words), whose 32-bit transpose X^T is.
+  void transpose_row_panel(uint16_t* x_t, const uint16_t* vnni, int64_t width) const {
+    amx::pack_vnni_from_transposed(x_t, vnni, 2 * width, m32_ / 2, 2 * width, 2 * width, m32_ / 2);
+  }
+
+  // c (M x n16, row stride ld_keys) += the sum of x_t y over the terms: x_t (M x m32 bf16 rows, a
+  // block of rows transposed) and y (a VNNI panel of the block's rows of Z or dS, ld_panel apart,
+  // its rows past m zeroed: zero_panel_padding), each block of keys over the rows that see it.
+  struct KeyTerm {
+    const uint16_t* x_t;
+    const uint16_t* y;
+  };
+  template <size_t N>
+  void key_products(float* c, int64_t M, const KeyTerm (&terms)[N]) const {
+    for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
+      for (const KeyTerm& t : terms)
+        Engine::gemm(M, keys, end - begin, t.x_t + begin, m32_, t.y + (begin / 2) * ld_panel() + 2 * c0, ld_panel(),
+                     c + c0, ld_keys(), true);
+    });
+  }
+  void zero_panel_padding(uint16_t* y) const { amx::zero_vnni_rows(y, ld_panel(), m_, m32_, n16_); }
+
   // Elements of a VNNI panel of q_block rows of Z or dS (the B operands of dV^T and dK^T, written
   // row by row as the driver finishes them: finish_row), at ld_panel() for kv_block keys.
   static int64_t panel_size(int64_t q_block, int64_t kv_block) {
@@ -475,7 +498,8 @@ class TileBackwardBase {
   using Base = TileBackwardBase<Engine>;                                                                     \
   using Base::E_, Base::Ev_, Base::Ep16_, Base::Ep32_, Base::Evp16_, Base::Evp32_, Base::kv_block_,           \
       Base::from_probs_, Base::m_, Base::m16_, Base::m32_, Base::n_, Base::n16_, Base::n32_, Base::ld16_,     \
-      Base::p_, Base::panel_size, Base::ld_panel, Base::ld_keys
+      Base::p_, Base::panel_size, Base::ld_panel, Base::ld_keys, Base::transpose_row_panel, Base::key_products,      \
+      Base::zero_panel_padding
 
 // bfloat16's backward products: Q and dO kept unscaled as bfloat16 A rows (read in place where
 // they need no padding, a_operand) for S and dP, and transposed (Q^T, dO^T: the A operands of
@@ -538,7 +562,10 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
   }
 
   // dv^T (Evp16 rows, ld_keys() apart) += dO^T bf16(Z), Z's rows given to finish_row
-  void add_dv(float* dv, const float*) { key_products(dv, Evp16_, do_t_.data(), z_panel_.data()); }
+  void add_dv(float* dv, const float*) {
+    zero_panel_padding(z_panel_.data());
+    key_products(dv, Evp16_, {{do_t_.data(), z_panel_.data()}});
+  }
 
   // dq += bf16(dS) K, each block of rows over the keys it sees (32 at a time: the products' depth).
   void add_dq(float* dq, const float*) {
@@ -550,7 +577,10 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
   }
 
   // dk^T (Ep16 rows, ld_keys() apart) += Q^T bf16(dS)
-  void add_dk(float* dk, const float*) { key_products(dk, Ep16_, q_t_.data(), ds_panel_.data()); }
+  void add_dk(float* dk, const float*) {
+    zero_panel_padding(ds_panel_.data());
+    key_products(dk, Ep16_, {{q_t_.data(), ds_panel_.data()}});
+  }
 
  private:
   // c (m16 x n16, row stride ld16) = a (m16 x K bf16 rows) bv (K x n16, a VNNI panel of the
@@ -562,23 +592,12 @@ class Bf16BackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  // c (M x n16, row stride ld_keys) += x^T y for x^T (M x m32 bf16 rows: a block of rows,
-  // transposed) and y (a VNNI panel of the block's rows of a tile, m32 / 2 x 2 n16, row stride
-  // ld_panel, zeroed past m here), each block of keys over the rows that see it.
-  void key_products(float* c, int64_t M, const uint16_t* x_t, uint16_t* y) {
-    amx::zero_vnni_rows(y, ld_panel(), m_, m32_, n16_);
-    this->for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
-      Engine::gemm(M, keys, end - begin, x_t + begin, m32_, y + (begin / 2) * ld_panel() + 2 * c0, ld_panel(),
-                   c + c0, ld_keys(), true);
-    });
-  }
-
   // x_t (width x m32 bf16, zero past the block's m rows) = X^T for the block's rows of X (cols wide,
   // row stride ld): the rows as a VNNI panel in vnni (pairs of rows as 32-bit words), whose 32-bit
   // transpose is X^T.
   void transposed_rows(uint16_t* x_t, uint16_t* vnni, const Bf16* rows, int64_t ld, int64_t cols, int64_t width) {
     amx::pack_vnni_from_rows(vnni, bits(rows), ld, m_, cols, m32_, width);
-    amx::pack_vnni_from_transposed(x_t, vnni, 2 * width, m32_ / 2, 2 * width, 2 * width, m32_ / 2);
+    transpose_row_panel(x_t, vnni, width);
   }
 
   ARows q_{}, do_{};  // the query block's Q and dO rows as A operands
@@ -660,9 +679,7 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
   }
 
   // dv^T (Evp16 rows, ld_keys() apart) += dO^T Z, Z's rows given to finish_row
-  void add_dv(float* dv, const float*) {
-    key_products(dv, Evp16_, do_th_.data(), do_tl_.data(), z_hi_.data(), z_lo_.data());
-  }
+  void add_dv(float* dv, const float*) { split_key_products(dv, Evp16_, do_th_.data(), do_tl_.data(), z_hi_, z_lo_); }
 
   // dq += dS K (dS split by finish_row), each block of rows over the keys it sees.
   void add_dq(float* dq, const float*) {
@@ -680,9 +697,7 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
   }
 
   // dk^T (Ep16 rows, ld_keys() apart) += Q^T dS
-  void add_dk(float* dk, const float*) {
-    key_products(dk, Ep16_, q_th_.data(), q_tl_.data(), ds_hi_.data(), ds_lo_.data());
-  }
+  void add_dk(float* dk, const float*) { split_key_products(dk, Ep16_, q_th_.data(), q_tl_.data(), ds_hi_, ds_lo_); }
 
  private:
   // The block's rows of X (Q or dO, `width` columns): a (m16 x 4 w32) = [Xh | Xh | Xl | Xl] and
@@ -693,8 +708,8 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
     split_a_rows(a, x, ldx, m_, m16_, width, w32);
     amx::pack_vnni_from_rows(rh_.data(), a, 4 * w32, m_, width, m32_, w16);
     amx::pack_vnni_from_rows(rl_.data(), a + 2 * w32, 4 * w32, m_, width, m32_, w16);
-    amx::pack_vnni_from_transposed(th, rh_.data(), 2 * w16, m32_ / 2, 2 * w16, 2 * w16, m32_ / 2);
-    amx::pack_vnni_from_transposed(tl, rl_.data(), 2 * w16, m32_ / 2, 2 * w16, 2 * w16, m32_ / 2);
+    transpose_row_panel(th, rh_.data(), w16);
+    transpose_row_panel(tl, rl_.data(), w16);
   }
 
   // c (m16 x n16, row stride ld16) = a bv over 4 w32 columns (two products over [Xh | Xh] and
@@ -709,18 +724,12 @@ class HalfSplitBackwardProducts : public TileBackwardBase<Engine> {
     });
   }
 
-  // c (M x n16, row stride ld_keys) += x^T y for x^T split (xh, xl: M x m32, a block of rows
-  // transposed) and y split (yh, yl: VNNI panels of the block's rows of a tile, row stride
-  // ld_panel, zeroed past m here): xh yh + xl yh + xh yl, each block of keys over the rows that see it.
-  void key_products(float* c, int64_t M, const uint16_t* xh, const uint16_t* xl, uint16_t* yh, uint16_t* yl) {
-    amx::zero_vnni_rows(yh, ld_panel(), m_, m32_, n16_);
-    amx::zero_vnni_rows(yl, ld_panel(), m_, m32_, n16_);
-    this->for_key_blocks([&](int64_t c0, int64_t keys, int64_t begin, int64_t end) {
-      const int64_t at = (begin / 2) * ld_panel() + 2 * c0, depth = end - begin;
-      Engine::gemm(M, keys, depth, xh + begin, m32_, yh + at, ld_panel(), c + c0, ld_keys(), true);
-      Engine::gemm(M, keys, depth, xl + begin, m32_, yh + at, ld_panel(), c + c0, ld_keys(), true);
-      Engine::gemm(M, keys, depth, xh + begin, m32_, yl + at, ld_panel(), c + c0, ld_keys(), true);
-    });
+  // c += x^T y with x^T and y split: xh yh + xl yh + xh yl (key_products).
+  void split_key_products(float* c, int64_t M, const uint16_t* xh, const uint16_t* xl, Buffer<uint16_t>& yh,
+                          Buffer<uint16_t>& yl) {
+    zero_panel_padding(yh.data());
+    zero_panel_padding(yl.data());
+    key_products(c, M, {{xh, yh.data()}, {xl, yh.data()}, {xh, yl.data()}});
   }
 
   Buffer<uint16_t> rows_, k_t_, v_t_, k_rh_, k_rl_, q_a_, do_a_, rh_, rl_, q_th_, q_tl_, do_th_, do_tl_, z_hi_, z_lo_,

@@ -1156,11 +1156,12 @@ inline int64_t windowed_kv_block(const AttnParams& p, int64_t kv, int64_t q) {
 // The backward's key blocks for such a window: twice the forward's (up to kv).
 // Each (query block, key block) pair of the backward has larger fixed costs
 // (Q and dO packed, and transposed for the dK/dV column sums, lse and D read)
-// than the forward's, so its blocks pay off longer. Windows of 127, 255 and
-// 511 keys, causal 1 x 8 x 8192 x 64, forward+backward against the forward's
-// blocks (Xeon model 167, 2 threads, alternated in one process): bfloat16
-// 0.89-0.91x the time, float16 0.91x, float32 0.94-0.98x; at windows of 31
-// and 63 keys bfloat16 0.95-0.97x, float32 1.00-1.05x.
+// than the forward's, so its blocks pay off longer. Causal 1 x 8 x 8192 x 64,
+// forward+backward, Xeon model 167, 2 threads, alternated in one process:
+// windows of 127 and 255 keys, 128-key blocks against the forward's 64:
+// bfloat16 0.90-0.91x the time, float16 0.91x, float32 0.97-0.98x; of 31 and
+// 63 keys, likewise: bfloat16 0.95-0.97x, float32 1.00-1.05x; of 511 keys,
+// 256 against the forward's 128: bfloat16 1.01x, float32 0.96x.
 inline int64_t windowed_backward_kv_block(const AttnParams& p, int64_t kv, int64_t q) {
   return std::min(kv, 2 * windowed_kv_block(p, kv, q));
 }

@@ -264,13 +264,17 @@ TILE_CASES = {
     "L70_S1100_bottom_right_window_sinks": dict(B=1, L=70, S=1100, window=(100, 0),
                                                 causal_alignment="bottom_right",
                                                 sinks=torch.float32),
+    # a window whose forward panels are 128 keys: the CPU backward's key blocks are twice
+    # that (windowed_backward_kv_block), 256 keys, each seen by about 12 query blocks
+    "L1400_causal_window_500": dict(B=1, L=1400, S=1400, window=(500, 0), is_causal=True),
 }
 
 
 # bfloat16 too: its products skip the blocks of rows and keys outside each block's band
 # (both sides of a window, the causal bound), reading Q and dO in place where L % 16 == 0;
 # and float16, whose forward takes the same products in split bfloat16 on the amx variant.
-_TILE_PARAMS = ([(c, torch.float32) for c in TILE_CASES] + [("L300_S333_everything_gqa", F64)]
+_TILE_PARAMS = ([(c, torch.float32) for c in TILE_CASES] + [("L300_S333_everything_gqa", F64),
+                                                               ("L1400_causal_window_500", F64)]
                 + [(c, torch.bfloat16) for c in TILE_CASES] + [(c, torch.float16) for c in TILE_CASES])
 
 

@@ -498,8 +498,8 @@ class TileBackwardBase {
   using Base = TileBackwardBase<Engine>;                                                                     \
   using Base::E_, Base::Ev_, Base::Ep16_, Base::Ep32_, Base::Evp16_, Base::Evp32_, Base::kv_block_,           \
       Base::from_probs_, Base::m_, Base::m16_, Base::m32_, Base::n_, Base::n16_, Base::n32_, Base::ld16_,     \
-      Base::p_, Base::panel_size, Base::ld_panel, Base::ld_keys, Base::transpose_row_panel, Base::key_products,      \
-      Base::zero_panel_padding
+      Base::p_, Base::panel_size, Base::ld_panel, Base::ld_keys, Base::transpose_row_panel,                   \
+      Base::key_products, Base::zero_panel_padding
 
 // bfloat16's backward products: Q and dO kept unscaled as bfloat16 A rows (read in place where
 // they need no padding, a_operand) for S and dP, and transposed (Q^T, dO^T: the A operands of

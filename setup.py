@@ -199,6 +199,24 @@ class BuildExtensionPerIsa(BuildExtension):
         super().run()
 
     def build_extension(self, ext):
+        # Each kernel file holds its own copy of every inline function and template it uses from
+        # the shared headers (AttnParams' constructor, std::vector's members), compiled with its
+        # flags; the linker keeps the first copy of each and drops the others, which then call the
+        # one kept. setuptools links the objects sorted by name (amx first), so that the AVX-512
+        # copies were kept and the avx2 and default kernels stopped with SIGILL on an AVX2-only
+        # CPU (AMD Zen 3). The kernel files go last, in isa_flags.txt's order, narrowest first:
+        # the copy kept is then the narrowest unit's that uses it, which every CPU that runs its
+        # callers can run. tests/test_build.py reads the library's code for wider copies.
+        isa_rank = {f"attention_kernel_{isa}": rank for rank, isa in enumerate(ISA_FLAGS)}
+        link_shared_object = self.compiler.link_shared_object
+
+        def isa_rank_of(obj):  # -1 (first) for every file compiled with the baseline flags
+            return isa_rank.get(os.path.splitext(os.path.basename(obj))[0], -1)
+
+        def link_isa_units_last(objects, *args, **kwargs):
+            return link_shared_object(sorted(objects, key=isa_rank_of), *args, **kwargs)  # a stable sort
+
+        self.compiler.link_shared_object = link_isa_units_last
         write_ninja_file = cpp_extension._write_ninja_file
 
         def write_with_isa_flags(path, *args, **kwargs):
@@ -223,6 +241,7 @@ class BuildExtensionPerIsa(BuildExtension):
             super().build_extension(ext)
         finally:
             cpp_extension._write_ninja_file = write_ninja_file
+            self.compiler.link_shared_object = link_shared_object
 
 
 setup(

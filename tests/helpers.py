@@ -9,7 +9,10 @@ Errors are relative Frobenius norms: ``||got - ref|| / ||ref||``.
 import importlib.util
 import math
 import pathlib
+import platform
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -615,3 +618,58 @@ def torch_variant_attention(query, key, value, attn_mask=None, is_causal=False, 
     if enable_gqa and query.dim() >= 4 and query.size(-3) != value.size(-3):
         value = value.repeat_interleave(query.size(-3) // value.size(-3), dim=-3)
     return probs.to(query.dtype) @ value, lse
+
+
+# The instruction-set level of a line of x86-64 code (0: the baseline, 1: AVX/AVX2, 2: AVX-512 or
+# AMX), and of a kernel unit by the namespace in a function's name (demangled, or mangled where
+# objdump leaves it so: OpenMP's outlined bodies). Code run at load time runs on every CPU.
+_AVX512_CODE = re.compile(r"%zmm|%k[0-7]\b|%[xy]mm(1[6-9]|2\d|3[01])\b|\{1to\d+\}|"
+                          r"^(vpternlog|vmovdq[au](8|16|32|64)|vperm[it]2|vpcompress|vpexpand|vcvtne2?ps2bf16|"
+                          r"vdpbf16ps|vpmov[dqw]2m|vpmovm2|kmov|kor|kand|tile|tdp|ldtilecfg|sttilecfg)")
+_AVX_CODE = re.compile(r"%ymm|^v[a-z]")
+_UNIT_LEVELS = ((re.compile(r"::(AVX512|AVX512BF16|AMX|amx)::|6AVX512|10AVX512BF16|3AMX|3amx"), 2),
+                (re.compile(r"::AVX2::|4AVX2"), 1),
+                (re.compile(r"::DEFAULT::|7DEFAULT|^_GLOBAL__sub_I_"), 0))
+CAN_READ_X86_CODE = platform.machine().lower() in ("x86_64", "amd64") and shutil.which("objdump") is not None
+
+
+def _code_level(instruction):
+    return 2 if _AVX512_CODE.search(instruction) else 1 if _AVX_CODE.search(instruction) else 0
+
+
+def _unit_level(name):
+    return max((level for pattern, level in _UNIT_LEVELS if pattern.search(name)), default=None)
+
+
+def code_wider_than_its_callers(library):
+    """The places in a shared library's x86-64 code (objdump -d) that a CPU able to run the caller
+    may not run: a function of a kernel unit (default, avx2, avx512, amx, or the load-time code)
+    with instructions wider than its unit's, or a direct call or jump to code wider than the caller
+    may run (its unit's level, or for a function of no unit -- shared code -- what its own
+    instructions already need). Empty when every unit reaches only code its CPUs run."""
+    dump = subprocess.run(["objdump", "-d", "-C", "--no-show-raw-insn", str(library)],
+                          capture_output=True, text=True, timeout=600, check=True).stdout
+    functions, calls = {}, []  # start address -> [name, code level]; (caller, callee) start addresses
+    start = None
+    for line in dump.splitlines():
+        head = re.match(r"^([0-9a-f]+) <(.*)>:$", line)
+        if head:
+            start = int(head.group(1), 16)
+            functions[start] = [head.group(2), 0]
+            continue
+        parts = line.split("\t", 1)
+        if start is None or len(parts) < 2:
+            continue
+        instruction = parts[1].strip()
+        functions[start][1] = max(functions[start][1], _code_level(instruction))
+        target = re.match(r"^(call|j[a-z]+)\s+([0-9a-f]+) <([^>]*)>$", instruction)
+        if target and "@plt" not in target.group(3) and "+0x" not in target.group(3):
+            calls.append((start, int(target.group(2), 16)))
+    assert len(functions) > 1000, f"objdump read too little of {library}: {dump[:2000]}"
+    may_run = {a: (level if _unit_level(name) is None else _unit_level(name)) for a, (name, level) in functions.items()}
+    wider_units = [f"{name[:200]}: level {level} code in a level {may_run[a]} unit"
+                   for a, (name, level) in functions.items() if level > may_run[a]]
+    wider_calls = sorted({f"{functions[a][0][:160]} (may run level {may_run[a]}) calls "
+                          f"{functions[b][0][:160]} (level {functions[b][1]} code)"
+                          for a, b in calls if b in functions and b != a and functions[b][1] > may_run[a]})
+    return wider_units + wider_calls

@@ -1,7 +1,9 @@
 """The build itself: what the library reports of itself and how a mismatched build is explained."""
 
+import pytest
 import torch
 
+import helpers
 from attn_ext import _build
 
 
@@ -106,3 +108,18 @@ def test_gpu_check_sanitizer_selections_each_pick_cuda_tests():
         selected |= ids
     every = collect("tests/test_kernel_selections.py", "cuda")
     assert len(every) > 50 and every <= selected, f"not under the sanitizer: {sorted(every - selected)[:5]}"
+
+
+
+@pytest.mark.skipif(not helpers.CAN_READ_X86_CODE, reason="reads x86-64 code with binutils' objdump")
+def test_no_code_calls_instructions_wider_than_its_callers_unit():
+    """Each kernel unit (default, avx2, avx512, amx) holds its own copy of every inline function it
+    uses from the shared headers, compiled with its own flags, and the linker keeps one copy of
+    each. Linked in the wrong order (amx first), AttnParams' constructor and std::vector's members
+    kept their AVX-512 copies and the avx2 kernels died of SIGILL on AVX2-only CPUs, which a test
+    run on an AVX-512 machine never sees. So this reads the library's code itself
+    (helpers.code_wider_than_its_callers)."""
+    import attn_ext._C
+
+    problems = helpers.code_wider_than_its_callers(attn_ext._C.__file__)
+    assert not problems, "\n".join(problems)[:6000]

@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,3 +34,6 @@ def test_cmake_library_builds_and_ctest_passes():
     assert "rel err vs ATen math" in log, log[-2000:]  # examples/cpp ran against the installed package
     if os.uname().machine in ("x86_64", "AMD64"):
         assert "test_amx_bf16" in log, log[-2000:]  # the AMX tile primitives ran (or said why not)
+    if helpers.CAN_READ_X86_CODE:  # CMake's link order too keeps the narrowest unit's shared code
+        problems = helpers.code_wider_than_its_callers(os.path.join(ROOT, "build", "cmake-pytest", "libattn_ext.so"))
+        assert not problems, "\n".join(problems)[:6000]

@@ -68,13 +68,17 @@ struct CpuKernels {
 // Adds one variant to the table; called by each kernel unit at load time.
 bool register_cpu_kernels(const CpuKernels& kernels);
 
-// Defines ISA_NS::attention_forward/backward's registration in a kernel unit.
-#define ATTN_EXT_REGISTER_CPU_KERNELS(NAME, RANK, ISA_NS)                                      \
-  namespace attn_ext::cpu {                                                                   \
-  namespace {                                                                                 \
-  const bool registered_##ISA_NS =                                                            \
-      register_cpu_kernels({NAME, RANK, &ISA_NS::attention_forward, &ISA_NS::attention_backward}); \
-  }                                                                                           \
+// Defines ISA_NS::attention_forward/backward's registration in a kernel unit. The entry is
+// constant-initialised data, so that the unit's code run at load time (on every CPU, before any
+// check of what it supports) is one call with its address: built at load time, the entry had
+// been assembled with the unit's vector instructions (AVX's in the avx512 unit).
+#define ATTN_EXT_REGISTER_CPU_KERNELS(NAME, RANK, ISA_NS)                       \
+  namespace attn_ext::cpu {                                                     \
+  namespace {                                                                   \
+  constexpr CpuKernels kernels_##ISA_NS{NAME, RANK, &ISA_NS::attention_forward, \
+                                        &ISA_NS::attention_backward};           \
+  const bool registered_##ISA_NS = register_cpu_kernels(kernels_##ISA_NS);      \
+  }                                                                             \
   }
 
 // The variants' kernels, for units that hand some cases to another variant

@@ -204,9 +204,9 @@ class BuildExtensionPerIsa(BuildExtension):
         # flags; the linker keeps the first copy of each and drops the others, which then call the
         # one kept. setuptools links the objects sorted by name (amx first), so that the AVX-512
         # copies were kept and the avx2 and default kernels stopped with SIGILL on an AVX2-only
-        # CPU (AMD Zen 3). The kernel files go last, in isa_flags.txt's order, narrowest first:
-        # the copy kept is then the narrowest unit's that uses it, which every CPU that runs its
-        # callers can run. tests/test_build.py reads the library's code for wider copies.
+        # CPU (an AMD EPYC, family 23). The kernel files go last, in isa_flags.txt's order,
+        # narrowest first: the copy kept is then the narrowest unit's that uses it, which every CPU
+        # that runs its callers can run. tests/test_build.py reads the library's code for wider copies.
         isa_rank = {f"attention_kernel_{isa}": rank for rank, isa in enumerate(ISA_FLAGS)}
         link_shared_object = self.compiler.link_shared_object
 

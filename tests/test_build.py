@@ -110,7 +110,6 @@ def test_gpu_check_sanitizer_selections_each_pick_cuda_tests():
     assert len(every) > 50 and every <= selected, f"not under the sanitizer: {sorted(every - selected)[:5]}"
 
 
-
 @pytest.mark.skipif(not helpers.CAN_READ_X86_CODE, reason="reads x86-64 code with binutils' objdump")
 def test_no_code_calls_instructions_wider_than_its_callers_unit():
     """Each kernel unit (default, avx2, avx512, amx) holds its own copy of every inline function it

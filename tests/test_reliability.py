@@ -120,7 +120,8 @@ def test_results_are_bitwise_reproducible_at_each_thread_count():
     q, k, v = _qkv(7, B=1, H=1, L=200, S=300, E=32)  # one (batch, head): the keys split over threads
     mask = torch.randn(1, 1, 200, 1, requires_grad=True)  # broadcast over keys: per-thread gradient copies
     # A row's mask gradient sums dS over its keys, which is 0 but for the sink's share of the row:
-    # without a sink the gradient is rounding noise (1e-7), whose runs differ by 7 % (AVX2, Zen 3).
+    # without a sink the gradient is rounding noise (1e-7), whose runs differed by 7 % (avx2
+    # kernels, AMD EPYC family 23).
     sinks = torch.tensor([0.5])
     threads = torch.get_num_threads()
     try:

@@ -25,6 +25,10 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 # without the overload's Python frame and schema matching in front of it.
 _call_boxed = torch._C._dispatch_call_boxed
 _torch_function_mode_on = torch._C._is_torch_function_mode_enabled
+# The overloads the functional API calls, looked up once: ``torch.ops.attn_ext.X.default``
+# on every call took 0.7-1.7 us of a 34 us decoding step (1x4x1x100x32, AMD EPYC family 23).
+_forward_op = torch.ops.attn_ext.attention_forward.default
+_probs_op = torch.ops.attn_ext.attention_probs.default
 
 
 def _run(op, tensors, *args):
@@ -471,7 +475,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                      window, softcap, alibi_slopes, sinks)
         args = (call.q, call.k, call.v, *call.op_args())
     # the tensors among the arguments: query, key, value, mask, alibi_slopes and the sinks as given
-    out, lse = _run(torch.ops.attn_ext.attention_forward.default, (*args[:4], args[12], sinks), *args)
+    out, lse = _run(_forward_op, (*args[:4], args[12], sinks), *args)
     if call is not None:
         out, lse = call.unflatten(out), call.unflatten(lse)
     return (out, lse) if return_lse else out
@@ -508,7 +512,7 @@ def attention_probs(query, key, attn_mask=None, dropout_p=0.0, is_causal=False, 
     """
     call = _Call(query, key, None, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
-    probs, _ = _run(torch.ops.attn_ext.attention_probs.default, call.tensors(), call.q, call.k, *call.op_args())
+    probs, _ = _run(_probs_op, call.tensors(), call.q, call.k, *call.op_args())
     return call.unflatten(probs)
 
 
@@ -526,8 +530,8 @@ def attention_and_probs(query, key, value, attn_mask=None, dropout_p=0.0, is_cau
     call = _Call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, causal_alignment,
                  window, softcap, alibi_slopes, sinks)
     tensors = call.tensors()
-    out, _ = _run(torch.ops.attn_ext.attention_forward.default, tensors, call.q, call.k, call.v, *call.op_args())
-    probs, _ = _run(torch.ops.attn_ext.attention_probs.default, tensors, call.q, call.k, *call.op_args())
+    out, _ = _run(_forward_op, tensors, call.q, call.k, call.v, *call.op_args())
+    probs, _ = _run(_probs_op, tensors, call.q, call.k, *call.op_args())
     return call.unflatten(out), call.unflatten(probs)
 
 

@@ -11,7 +11,8 @@ is faster):
           .backward()), batch 4 x 1024 tokens, in float32 and bfloat16
   prefill the forward of a 4 x 1024-token prompt without gradients
   decode  greedy generate() of 64 new tokens after a 4 x 512-token prompt
-          (transformers' DynamicCache): new tokens per second
+          (transformers' DynamicCache): new tokens per second, the median of
+          --decode-rounds calls each (5), alternating
   static  the same with a StaticCache (cache_implementation="static")
   compiled  64 greedy decoding steps of torch.compile(model, fullgraph=True) on
           a StaticCache of 2048 slots after the 512-token prompt (eager
@@ -51,7 +52,7 @@ def make_model(dtype, device):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=dtype)
 
 
-def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_tokens=64):
+def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_tokens=64, decode_rounds=5):
     import copy
 
     models = {"attn_ext": make_model(dtype, device)}
@@ -83,7 +84,7 @@ def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_to
     t = common.time_interleaved({k: prefill(m) for k, m in models.items()}, min_run_time=min_run_time, warmup=1)
     result["prefill_ms"] = {k: v.median_ms for k, v in t.items()}
 
-    # Decoding: three timed generate() calls each, alternating; the median. With
+    # Decoding: decode_rounds timed generate() calls each, alternating; the median. With
     # transformers' default DynamicCache, then with a StaticCache (keys preallocated
     # for prompt + new tokens: the mask function's static path).
     def generate(model, extra):
@@ -101,13 +102,15 @@ def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_to
     same = {}
     for cache, key in (("dynamic", "decode_tokens_per_s"), ("static", "decode_static_tokens_per_s")):
         extra = dict(cache_implementation="static") if cache == "static" else {}
-        result[key], same[cache] = tokens_per_s({k: generate(m, extra) for k, m in models.items()}, batch * new_tokens)
-    result["compiled_static_tokens_per_s"], same["compiled"] = compiled_static_steps(models, prompt_ids, new_tokens)
+        result[key], same[cache] = tokens_per_s({k: generate(m, extra) for k, m in models.items()}, batch * new_tokens,
+                                                decode_rounds)
+    result["compiled_static_tokens_per_s"], same["compiled"] = compiled_static_steps(models, prompt_ids, new_tokens,
+                                                                                     rounds=decode_rounds)
     result["same_tokens"] = same  # greedy tokens of attn_ext and sdpa, per decoding mode
     return result
 
 
-def tokens_per_s(runs, tokens_made, rounds=3):
+def tokens_per_s(runs, tokens_made, rounds=5):
     """``rounds`` rounds of each run (``fn() -> (seconds, new tokens)``), alternating: the
     median tokens/s by name, and whether attn_ext's and sdpa's last tokens agree."""
     times, tokens = {k: [] for k in runs}, {}
@@ -119,7 +122,7 @@ def tokens_per_s(runs, tokens_made, rounds=3):
     return rate, bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
 
 
-def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048):
+def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048, rounds=5):
     """Tokens/s of ``new_tokens`` greedy steps of each model compiled (fullgraph) on a
     StaticCache of ``slots`` after an eager prefill of ``prompt_ids`` (tokens_per_s,
     after a compiling round)."""
@@ -147,7 +150,7 @@ def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048):
         warnings.simplefilter("ignore", FutureWarning)  # past_key_values=, which newer versions call cache=
         for k in models:
             steps(k, 3)  # compiles
-        return tokens_per_s({k: (lambda k=k: steps(k, new_tokens)) for k in models}, batch * new_tokens)
+        return tokens_per_s({k: (lambda k=k: steps(k, new_tokens)) for k in models}, batch * new_tokens, rounds)
 
 
 def main(argv=None):
@@ -156,8 +159,13 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-run-time", type=float, default=6.0, help="seconds per timed pass, over 3 rounds")
+    ap.add_argument("--decode-rounds", type=int, default=5,
+                    help="timed generate() calls per implementation and decoding mode, alternating (the median); "
+                         "a whole generate() varies by tens of percent from call to call on a shared 2-core machine")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
+    if args.decode_rounds < 1:
+        ap.error(f"--decode-rounds must be at least 1, got {args.decode_rounds}")
     try:
         import transformers
     except ModuleNotFoundError:
@@ -179,7 +187,7 @@ def main(argv=None):
     rows, records = [], []
     for dname in args.dtype.split(","):
         dtype = common.parse_dtype(dname)
-        r = run(dtype, device, args.min_run_time, name)
+        r = run(dtype, device, args.min_run_time, name, decode_rounds=args.decode_rounds)
         records.append({"dtype": dname, **r})
         tr, pf, dc, st = r["train_ms"], r["prefill_ms"], r["decode_tokens_per_s"], r["decode_static_tokens_per_s"]
         cs = r["compiled_static_tokens_per_s"]
@@ -195,7 +203,7 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"device": str(device), "machine": machine, "transformers": transformers.__version__,
-                       "records": records}, f, indent=1)
+                       "decode_rounds": args.decode_rounds, "records": records}, f, indent=1)
     return 0
 
 

@@ -12,7 +12,7 @@ is faster):
   prefill the forward of a 4 x 1024-token prompt without gradients
   decode  greedy generate() of 64 new tokens after a 4 x 512-token prompt
           (transformers' DynamicCache): new tokens per second, the median of
-          --decode-rounds calls each (5), alternating
+          --decode-rounds calls each, alternating
   static  the same with a StaticCache (cache_implementation="static")
   compiled  64 greedy decoding steps of torch.compile(model, fullgraph=True) on
           a StaticCache of 2048 slots after the 512-token prompt (eager
@@ -42,6 +42,12 @@ import torch
 from attn_ext.benchmark import common
 
 
+# Timed generate() calls per implementation and decoding mode (the median): a
+# whole call varies by tens of percent from one to the next on a shared 2-core
+# machine, more than three calls outvote.
+DECODE_ROUNDS = 5
+
+
 def make_model(dtype, device):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -52,7 +58,8 @@ def make_model(dtype, device):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device=device, dtype=dtype)
 
 
-def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_tokens=64, decode_rounds=5):
+def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_tokens=64,
+        decode_rounds=DECODE_ROUNDS):
     import copy
 
     models = {"attn_ext": make_model(dtype, device)}
@@ -110,7 +117,7 @@ def run(dtype, device, min_run_time, name, batch=4, seq=1024, prompt=512, new_to
     return result
 
 
-def tokens_per_s(runs, tokens_made, rounds=5):
+def tokens_per_s(runs, tokens_made, rounds=DECODE_ROUNDS):
     """``rounds`` rounds of each run (``fn() -> (seconds, new tokens)``), alternating: the
     median tokens/s by name, and whether attn_ext's and sdpa's last tokens agree."""
     times, tokens = {k: [] for k in runs}, {}
@@ -122,7 +129,7 @@ def tokens_per_s(runs, tokens_made, rounds=5):
     return rate, bool(torch.equal(tokens["attn_ext"], tokens["sdpa"]))
 
 
-def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048, rounds=5):
+def compiled_static_steps(models, prompt_ids, new_tokens, slots=2048, rounds=DECODE_ROUNDS):
     """Tokens/s of ``new_tokens`` greedy steps of each model compiled (fullgraph) on a
     StaticCache of ``slots`` after an eager prefill of ``prompt_ids`` (tokens_per_s,
     after a compiling round)."""
@@ -159,9 +166,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--min-run-time", type=float, default=6.0, help="seconds per timed pass, over 3 rounds")
-    ap.add_argument("--decode-rounds", type=int, default=5,
-                    help="timed generate() calls per implementation and decoding mode, alternating (the median); "
-                         "a whole generate() varies by tens of percent from call to call on a shared 2-core machine")
+    ap.add_argument("--decode-rounds", type=int, default=DECODE_ROUNDS,
+                    help="timed generate() calls per implementation and decoding mode, alternating (the median)")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     if args.decode_rounds < 1:

@@ -51,6 +51,18 @@ def test_forward_matches_reference_over_shapes(device, dtype, shape):
     run_forward_case(q, k, v)
 
 
+# Query blocks of a few rows (decoding) read the key and value rows in place on the CPU; a
+# head dim of 1 to 8 whole vectors keeps the query row in registers there. Head dims of whole
+# vectors and not, 53 keys (past whole vectors), GQA groups as rows.
+@dtypes
+@pytest.mark.parametrize("E", [8, 16, 20, 32, 48, 64, 112, 128, 136])
+@pytest.mark.parametrize("rows", [(1, 1), (4, 1), (3, 2)], ids=lambda r: "L{}x{}".format(*r))
+def test_forward_few_query_rows_over_head_dims(device, dtype, E, rows):
+    L, group = rows
+    q, k, v = make_qkv(2, 2 * group, 2, L, 53, E, E, dtype, device, seed=E + L)
+    run_forward_case(q, k, v, enable_gqa=group > 1)
+
+
 B, H, L, S = 2, 3, 17, 23
 MASK_SHAPES = [(L, S), (1, S), (B, 1, 1, S), (1, H, L, S), (B, H, L, S), (H, 1, S),
                (B, 1, L, S), (L, 1), (1, 1, 1, 1)]

@@ -44,6 +44,11 @@ def _cpu_kernel_lines(lib):
             state = "usable (ATTN_EXT_CPU_ISA=" + isa + " selects it)"
         else:
             state = "not usable: this CPU (or its OS) lacks the instructions"
+        if isa == "avx512bf16" and lib.get("cpu_bf16_dot_products", "all") != "all":
+            rows = lib["cpu_bf16_dot_products"].split("<")[-1]
+            what += (f" (on this Intel CPU only forwards of under {rows} query rows and decoding rows take the dot "
+                     "products, the rest avx512's float32 kernels, which are faster here; ATTN_EXT_CPU_ISA=avx512bf16 "
+                     "forces them)")
         lines.append(f"{isa:<10} {state}; {what}")
     if lib.get("cpu_l2_bytes"):
         lines.append(f"tiles      {lib['cpu_tile_rows']} query rows x {lib['cpu_forward_tile_keys']} keys forward, "

@@ -65,6 +65,55 @@ def test_cpu_isa_switch_picks_each_variant_and_rejects_others(monkeypatch):
             raise AssertionError(f"ATTN_EXT_CPU_ISA={isa} ran on a CPU that lacks it")
 
 
+def _cpu_vendor():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
+def test_bf16_dot_products_run_where_they_pay(monkeypatch):
+    """avx512bf16, chosen by default, takes its AVX512-BF16 dot products for bfloat16's blocked
+    products on AMD's cores, and on Intel's only for forwards of fewer than 32 query rows
+    (there avx512's float32 kernels are faster: bf16_dot_products_pay in kernels.h);
+    ATTN_EXT_CPU_ISA=avx512bf16 takes them everywhere. Read off the bits: a call under the
+    default choice gives exactly the bits of the variant whose kernels it should have run."""
+    monkeypatch.delenv("ATTN_EXT_CPU_ISA", raising=False)
+    info = _build.library_info()
+    if info["cpu_isa_active"] != "avx512bf16":
+        pytest.skip(f"the default variant here is {info['cpu_isa_active']}, not avx512bf16")
+    intel = _cpu_vendor() == "GenuineIntel"
+    assert info["cpu_bf16_dot_products"] == ("forward_rows<32" if intel else "all"), info
+
+    from attn_ext import scaled_dot_product_attention
+
+    def call(isa, L, backward):
+        if isa is None:
+            monkeypatch.delenv("ATTN_EXT_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ATTN_EXT_CPU_ISA", isa)
+        gen = torch.Generator().manual_seed(L)
+        q, k, v, g = (torch.randn(2, 3, n, 64, generator=gen).bfloat16() for n in (L, 200, 200, L))
+        q, k, v = (t.requires_grad_(backward) for t in (q, k, v))
+        out = scaled_dot_product_attention(q, k, v)
+        if not backward:
+            return [out]
+        out.backward(g)
+        return [out, q.grad, k.grad, v.grad]
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    monkeypatch.setenv("ATTN_EXT_CPU_ISA", "avx512bf16")
+    assert _build.library_info()["cpu_bf16_dot_products"] == "all"
+    for L, backward in ((16, False), (64, False), (64, True)):
+        dots, fp32 = call("avx512bf16", L, backward), call("avx512", L, backward)
+        assert not same(dots, fp32), (L, backward)  # the two kernels round differently: the check can tell them
+        expect = fp32 if intel and (backward or L >= 32) else dots
+        assert same(call(None, L, backward), expect), (L, backward, intel)
+
+
 def test_mismatched_torch_raises_one_clear_sentence(monkeypatch):
     monkeypatch.setattr(_build, "built_for", lambda: {"torch": "0.0.1"})
     try:

@@ -791,16 +791,24 @@ bool half_products_suit(const AttnBwdParams& p) {
   return half_products_suit(static_cast<const AttnParams&>(p)) && p.L >= 64 && p.S >= 64 && rows_contiguous(p);
 }
 
+// The tiles always pay; the dot engine where bf16_dot_products_pay says (kernels.h).
+template <class Engine>
+bool engine_pays(bool backward, int64_t rows) {
+  return std::is_same_v<Engine, TileEngine> || bf16_dot_products_pay(backward, rows);
+}
+
 template <class Engine>
 void bf16_forward(const AttnParams& params) {
-  if (products_suit(params)) return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
+  if (products_suit(params) && engine_pays<Engine>(false, params.L))
+    return forward_driver<Bf16, Bf16ForwardProducts<Engine>>(params);
   if (dots_suit(params)) return forward_driver<Bf16, Bf16DotProducts>(params);
   AVX512::attention_forward(params);
 }
 
 template <class Engine>
 void bf16_backward(const AttnBwdParams& params) {
-  if (products_suit(params)) return backward_driver<Bf16, Bf16BackwardProducts<Engine>>(params);
+  if (products_suit(params) && engine_pays<Engine>(true, params.L))
+    return backward_driver<Bf16, Bf16BackwardProducts<Engine>>(params);
   AVX512::attention_backward(params);
 }
 

@@ -71,6 +71,23 @@ BlockSizes backward_blocks(int64_t E, int64_t Ev) {
   return BlockSizes{q, kv};
 }
 
+namespace {
+bool cpu_is_intel() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("intel");
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+bool bf16_dot_products_pay(bool backward, int64_t rows) {
+  static const bool intel = cpu_is_intel();
+  if (!intel || requested_isa() == "avx512bf16") return true;
+  return !backward && rows < kIntelDotForwardRows;
+}
+
 bool register_cpu_kernels(const CpuKernels& kernels) {
   auto& t = table();
   t.insert(std::upper_bound(t.begin(), t.end(), kernels,
@@ -140,6 +157,10 @@ std::string kernel_info() {
   // query blocks this small read key rows in place (decoding)
   os << ";cpu_direct_rows=" << kDirectRows << ";cpu_direct_rows_converted=" << kDirectRowsConverted
      << ";cpu_dot_rows=" << kDotRows;
+  // where avx512bf16's blocked bfloat16 products take its dot products (bf16_dot_products_pay)
+  os << ";cpu_bf16_dot_products="
+     << (bf16_dot_products_pay(true, kIntelDotForwardRows) ? "all"
+                                                             : "forward_rows<" + std::to_string(kIntelDotForwardRows));
   return os.str();
 }
 

@@ -49,11 +49,30 @@ constexpr int64_t kDirectRowsConverted = 16;
 // step's group as rows, a few speculative tokens). See dots_suit (attention_kernel_amx.cpp).
 constexpr int64_t kDotRows = 8;
 
+// Forwards of fewer query rows than this keep avx512bf16's dot products on an Intel CPU
+// (bf16_dot_products_pay).
+constexpr int64_t kIntelDotForwardRows = 32;
+
 // Defined in dispatch.cpp, compiled once without the variants' ISA flags (the variants' units
 // call them; an inline definition here would be compiled under every unit's flags).
 int64_t l2_cache_bytes();  // per core; 512 KiB where the OS does not say
 BlockSizes forward_blocks(int64_t E, int64_t Ev);
 BlockSizes backward_blocks(int64_t E, int64_t Ev);
+
+// Whether avx512bf16's blocked bfloat16 products (more than kDotRows query rows; a backward
+// when `backward`) run on its AVX512-BF16 dot products (gemm_dots) or on avx512's kernels,
+// which convert the rows to float32 for FMA. The dot products pay on AMD's cores (Zen 4: a
+// bfloat16 forward 1.6-2.0x faster than on avx512's kernels). On an Intel core without AMX
+// tiles they do not: on a Xeon with AMX hidden (family 6 model 207, 2 threads) gemm_dots ran
+// at 87-97 GFLOP/s on one core, where a whole float32 attention forward reached 245 on two,
+// and avx512's kernels took 0.53-0.69x the dot products' forward time from 32 query rows on
+// (4 x 8 heads x 1024 keys x 64, and 16 x 8 x 64 x 64) and 0.42-0.71x their backward's from
+// 9 rows on; forwards of 9 and 16 rows were faster on the dot products (1.24 against 1.40 ms,
+// 1.35 against 2.38: avx512's kernels convert every key for few rows). So on Intel the dot
+// products keep the forwards of fewer than kIntelDotForwardRows rows (and the decoding rows,
+// dots_suit, always); elsewhere, or with ATTN_EXT_CPU_ISA=avx512bf16 set (what that variant's
+// tests run), all of them.
+bool bf16_dot_products_pay(bool backward, int64_t rows);
 
 using ForwardFn = void (*)(const AttnParams& params);
 using BackwardFn = void (*)(const AttnBwdParams& params);
